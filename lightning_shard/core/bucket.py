@@ -1,0 +1,172 @@
+"""A bucket: a group of parameters flattened into one padded buffer, and the rank's shard of it.
+
+The parameters become views into ``flat_param``; their gradients become views into ``grad_buf``, so
+autograd accumulates straight into the buffer that is reduced. The optimizer sees one flat tensor per
+bucket, ``shard_param``: the fp32 master copy of the rank's owned elements when parameters are in
+half precision, otherwise a view onto the owned elements of ``flat_param`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .flat import FlatLayout, build_layout, flatten_into, slot_views
+from .state import GradState, transition
+
+
+class Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: int,
+                 group_index: int, *, stage: int, rank: int, world: int, group: Any) -> None:
+        self.index, self.params, self.names = index, params, names
+        self.opt_index, self.group_index = opt_index, group_index
+        self.stage, self.rank, self.world, self.group = stage, rank, world, group
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        # stage 0 keeps a single "shard": the whole buffer; stages 1/2 split it across the group
+        self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)],
+                                               1 if stage == 0 else world)
+        shard = 0 if stage == 0 else rank
+        self.shard_start, self.shard_end = self.layout.shard_range(shard)
+        self.own_lo, self.own_hi = self.layout.owned_range(shard)
+
+        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            flatten_into(self.layout, [p.detach() for p in params], self.flat_param)
+        for p, view in zip(params, slot_views(self.layout, self.flat_param)):
+            p.data = view
+        own = self.flat_param[self.own_lo:self.own_hi]
+        self.master: Optional[torch.Tensor] = None
+        if self.dtype in (torch.float16, torch.bfloat16):
+            self.master = own.detach().float().clone()
+            self.shard_param = nn.Parameter(self.master)
+        else:
+            self.shard_param = nn.Parameter(own)  # shares storage with flat_param
+        self.grad_buf: Optional[torch.Tensor] = None
+        self.grad_views: list[torch.Tensor] = []
+        self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
+        self.state = GradState.EMPTY
+        self.pending = 0
+        self._src: Optional[torch.Tensor] = None
+        self._out: Optional[torch.Tensor] = None
+        self._work: Any = None
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def owned_numel(self) -> int:
+        return self.own_hi - self.own_lo
+
+    def set_state(self, new: GradState) -> None:
+        self.state = transition(self.state, new, f"bucket {self.index} ({self.names[0]}...)")
+
+    # ------------------------------------------------------------------ gradients
+    def attach_grads(self) -> None:
+        """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
+        if self.grad_buf is None:
+            self.grad_buf = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.grad_views = slot_views(self.layout, self.grad_buf)
+        for p, view in zip(self.params, self.grad_views):
+            g = p.grad
+            if g is None:
+                view.zero_()  # the user cleared this gradient (zero_grad(set_to_none=True))
+                p.grad = view
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+        self.pending = len(self.params)
+
+    def adopt_grad(self, i: int) -> None:
+        """Called from the post-accumulate hook: make sure parameter ``i``'s gradient lives in the buffer."""
+        p, view = self.params[i], self.grad_views[i]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self.pending -= 1
+
+    def release_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.grad_buf, self.grad_views = None, []
+
+    # ------------------------------------------------------------------ communication
+    def launch_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> None:
+        """All-reduce (stage 0) or reduce-scatter (stages 1/2) the gradient buffer in ``reduce_dtype``."""
+        self.set_state(GradState.REDUCING)
+        if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
+            self.attach_grads()
+        src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)
+        tag = f"grad_bucket{self.index}"
+        if self.stage == 0:
+            self._out = src
+            self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
+        else:
+            self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
+            self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
+        self._src = src
+
+    def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
+        """Wait for the reduction; fold it into the accumulator and, on a boundary, publish the averaged grad."""
+        if self._work is not None:
+            self._work.wait()
+        out = self._out
+        assert out is not None
+        self._work, self._src, self._out = None, None, None
+        if self.stage == 0:
+            mine = out[self.own_lo:self.own_hi]
+        else:
+            mine = out[: self.owned_numel]
+        if accumulate:
+            if self.accum is None:
+                self.accum = torch.zeros(self.owned_numel, dtype=torch.float32, device=self.device)
+            self.accum.add_(mine)
+            mine = self.accum
+        if self.stage == 2:
+            self.release_grads()  # ZeRO-2: the full gradient is not needed past its reduce-scatter
+        if not boundary:
+            self.set_state(GradState.ACCUMULATING)
+            return
+        if mine.dtype != self.shard_param.dtype:
+            mine = mine.to(self.shard_param.dtype)
+        mine.div_(self.world)
+        self.shard_param.grad = mine
+        self.set_state(GradState.REDUCED)
+
+    def launch_gather(self, async_op: bool) -> Any:
+        """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2)."""
+        with torch.no_grad():
+            if self.master is not None:
+                self.flat_param[self.own_lo:self.own_hi].copy_(self.master)
+        if self.stage == 0:
+            return None
+        return C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end], group=self.group,
+                            async_op=async_op, tag=f"param_bucket{self.index}")
+
+    def end_window(self) -> None:
+        """Close the accumulation window after the optimizer step (or a skipped step)."""
+        self.shard_param.grad = None
+        self.accum = None
+        if self.grad_buf is not None:
+            if self.stage == 2:
+                self.release_grads()
+            else:
+                self.grad_buf.zero_()
+        self.set_state(GradState.EMPTY)
+
+    # ------------------------------------------------------------------ accounting
+    def tensor_bytes(self) -> dict[str, int]:
+        def nb(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        shard_grad = self.shard_param.grad
+        aliased = shard_grad is not None and self.grad_buf is not None and \
+            shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
+        aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
+        return {
+            "params": nb(self.flat_param),
+            "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)),
+            "master": nb(self.master),
+            "accumulators": nb(self.accum),
+        }

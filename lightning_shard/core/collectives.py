@@ -1,0 +1,249 @@
+"""The one module of lightning_shard that calls ``torch.distributed``.
+
+Every all-reduce, reduce-scatter, all-gather and broadcast of the project goes through the functions
+below, and each call is written into :data:`LEDGER` with its op, process group, tensor bytes and the
+bytes a ring implementation moves per rank ("wire bytes"). Tests compare the ledger with the ZeRO
+formulas, the planner reads it back, and a logging callback reports it per step.
+
+Wire bytes per rank follow the nccl-tests "busbw" conventions
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+reduce-scatter and all-gather move (N-1)/N of the full tensor, all-reduce twice that, a broadcast
+delivers the tensor once to every non-root rank.
+
+torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
+``all_gather_single``/``reduce_scatter_single``: :func:`_rs_impl` / :func:`_ag_impl` pick whichever the
+installed torch has.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LEDGER",
+    "Ledger",
+    "LedgerEntry",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "get_rank",
+    "get_world_size",
+    "group_name",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter",
+]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# dist.ReduceOp.AVG exists only for NCCL; we divide explicitly instead.
+
+_rs_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ag_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One collective call as seen by this rank."""
+
+    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
+    group: str  # "world" or the name given to :func:`new_group`
+    world: int  # ranks in the group
+    bytes: int  # bytes of the full (unsharded) tensor the collective is about
+    wire_bytes: float  # bytes a ring moves per rank for this call (see module docstring)
+    tag: str  # free text from the caller, e.g. "grad_bucket3"
+    dtype: str
+
+
+def ring_wire_bytes(op: str, nbytes: int, world: int) -> float:
+    """Bytes per rank of a ring collective over ``world`` ranks (nccl-tests busbw factors)."""
+    if world <= 1:
+        return 0.0
+    if op in ("reduce_scatter", "all_gather"):
+        return nbytes * (world - 1) / world
+    if op == "all_reduce":
+        return 2.0 * nbytes * (world - 1) / world
+    if op == "broadcast":
+        return float(nbytes)
+    raise ValueError(f"unknown collective op {op!r}")
+
+
+class Ledger:
+    """Thread-safe record of collectives issued by this process (gradient hooks run off the main thread)."""
+
+    def __init__(self) -> None:
+        self._entries: list[LedgerEntry] = []
+        self._lock = threading.Lock()
+
+    def record(self, op: str, group: Any, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
+        world = get_world_size(group)
+        numel = tensor.numel() if full_numel is None else full_numel
+        nbytes = numel * tensor.element_size()
+        entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag,
+                            str(tensor.dtype).replace("torch.", ""))
+        with self._lock:
+            self._entries.append(entry)
+
+    def mark(self) -> int:
+        """Position to pass to :meth:`since` later."""
+        with self._lock:
+            return len(self._entries)
+
+    def since(self, mark: int = 0) -> list[LedgerEntry]:
+        with self._lock:
+            return list(self._entries[mark:])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    @staticmethod
+    def summarize(entries: list[LedgerEntry]) -> dict[tuple[str, str], dict[str, float]]:
+        """``{(op, group): {"count", "bytes", "wire_bytes"}}`` over ``entries``."""
+        out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+        for e in entries:
+            row = out[(e.op, e.group)]
+            row["count"] += 1
+            row["bytes"] += e.bytes
+            row["wire_bytes"] += e.wire_bytes
+        return dict(out)
+
+    def wire_bytes(self, mark: int = 0, op: Optional[str] = None) -> float:
+        return sum(e.wire_bytes for e in self.since(mark) if op is None or e.op == op)
+
+    def count(self, mark: int = 0, op: Optional[str] = None) -> int:
+        return sum(1 for e in self.since(mark) if op is None or e.op == op)
+
+
+LEDGER = Ledger()
+
+# Test hook: called with (op, tag) before each collective is issued; tests use it to slow a collective down.
+_before_issue: Optional[Callable[[str, str], None]] = None
+_group_names: dict[Any, str] = {}
+
+
+def set_before_issue_hook(fn: Optional[Callable[[str, str], None]]) -> None:
+    global _before_issue
+    _before_issue = fn
+
+
+# ---------------------------------------------------------------------------------------------- groups
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_backend(group: Any = None) -> str:
+    return dist.get_backend(group) if is_initialized() else "none"
+
+
+def group_name(group: Any) -> str:
+    if group is None or group is dist.GroupMember.WORLD:
+        return "world"
+    return _group_names.get(group, f"group{id(group) & 0xFFFF:x}")
+
+
+def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) -> Any:
+    """Create a process group (every rank must call this with the same arguments) and name it for the ledger."""
+    group = dist.new_group(ranks=ranks, timeout=timeout)
+    _group_names[group] = name
+    return group
+
+
+def init_process_group(backend: str, rank: int, world_size: int, init_method: str,
+                       timeout: timedelta) -> None:
+    """Create the default group (used by tests and scripts that run without Lightning)."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+def _issue(op: str, tag: str) -> None:
+    if _before_issue is not None:
+        _before_issue(op, tag)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False, tag: str = ""):
+    """In-place all-reduce of ``tensor`` (``op`` in sum/max/min)."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    LEDGER.record("all_reduce", group, tensor, tag)
+    _issue("all_reduce", tag)
+    return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+                   tag: str = ""):
+    """Sum ``input`` (the full padded buffer) over ranks; this rank receives its contiguous slice in ``output``."""
+    LEDGER.record("reduce_scatter", group, input, tag)
+    _issue("reduce_scatter", tag)
+    return _rs_impl(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False, tag: str = ""):
+    """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe."""
+    LEDGER.record("all_gather", group, output, tag)
+    _issue("all_gather", tag)
+    return _ag_impl(output, input, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False, tag: str = ""):
+    LEDGER.record("broadcast", group, tensor, tag)
+    _issue("broadcast", tag)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Pickle-based broadcast for small metadata (not recorded: it carries no model bytes)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Pickle-based all-gather for small metadata (not recorded)."""
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Any = None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def wait_all(works: list[Any], timeout_s: Optional[float] = None) -> None:
+    """Wait for async work handles; ``timeout_s`` bounds the wait where the backend supports it."""
+    t0 = time.monotonic()
+    for w in works:
+        if w is None:
+            continue
+        if timeout_s is None:
+            w.wait()
+        else:
+            w.wait(timedelta(seconds=max(0.0, timeout_s - (time.monotonic() - t0))))

@@ -1,0 +1,298 @@
+"""The ZeRO-0/1/2 sharding engine and its gradient-sync controller.
+
+One engine serves every stage; the stage only changes how a bucket is split and reduced:
+
+============  =====================================  ========================  ==================
+stage         gradient reduction (boundary)          optimizer steps on        after the step
+============  =====================================  ========================  ==================
+0             all-reduce of the full bucket           the whole bucket          nothing
+1             reduce-scatter, full grads kept         the rank's shard          all-gather params
+2             reduce-scatter, full grads freed        the rank's shard          all-gather params
+============  =====================================  ========================  ==================
+
+Accumulation (the controller): :meth:`no_sync` marks micro-batches that are not an accumulation boundary.
+With the ``defer`` policy those communicate nothing and gradients accumulate in the full buffers; with
+``per_micro_batch`` (stage 2 only) each micro-batch is reduce-scattered into an fp32 shard accumulator and
+the full gradients are freed. On a communicating backward, bucket reductions are launched asynchronously
+from gradient hooks as soon as a bucket's gradients are complete (``overlap=True``), always in bucket
+order so that every rank issues the same collectives in the same sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from . import collectives as C
+from .bucket import Bucket
+from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
+from .state import AccumulationPolicy, GradState
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"reduce_dtype must be null (fp32) or one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+class ShardEngine:
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
+                 group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
+                 accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
+                 allow_custom_optimizer: bool = False) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ShardEngine handles ZeRO stages 0, 1 and 2, got stage={stage}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
+        policy = AccumulationPolicy(accumulation)
+        if policy is AccumulationPolicy.PER_MICRO_BATCH and stage != 2:
+            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2); stage {stage} "
+                             "holds full gradients anyway, so use accumulation='defer'.")
+        if not optimizers:
+            raise ValueError("no optimizer to shard: configure_optimizers() returned nothing")
+        self.module, self.stage, self.group, self.policy = module, stage, group, policy
+        self.world, self.rank = C.get_world_size(group), C.get_rank(group)
+        self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
+        self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        for opt in optimizers:
+            validate_optimizer(opt, allow_custom_optimizer)
+        self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
+        self._sync_module_states()
+        self.buckets = self._build_buckets()
+        for binding in self.bindings:
+            binding.rebind(self.buckets)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+                       for b in self.buckets for i, p in enumerate(b.params)]
+        self._require_sync = True
+        self._comm_this_backward = False
+        self._boundary_this_backward = False
+        self._next_launch = 0
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ setup
+    def _sync_module_states(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP does at construction)."""
+        if self.world > 1:
+            tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
+            _broadcast_coalesced(tensors, self.group, tag="init_states")
+
+    def _build_buckets(self) -> list[Bucket]:
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
+        owner: dict[int, tuple[int, int]] = {}
+        for binding in self.bindings:
+            for gi, group in enumerate(binding.orig_groups):
+                for p in group:
+                    if id(p) not in names:
+                        raise ValueError(
+                            f"optimizer {binding.index}, param group {gi} holds a tensor of shape {tuple(p.shape)} "
+                            "that is not a parameter of the LightningModule; build optimizers from self.parameters()."
+                        )
+                    if id(p) in owner:
+                        raise ValueError(f"parameter {names[id(p)]} appears in two optimizers or param groups")
+                    owner[id(p)] = (binding.index, gi)
+        trainable = [p for p in self.module.parameters() if p.requires_grad and id(p) in owner]
+        if not trainable:
+            raise ValueError("the model has no trainable parameter that an optimizer updates: nothing to shard. "
+                             "Check requires_grad and the parameters passed to the optimizer.")
+        # Reverse registration order approximates the order in which backward produces gradients (as DDP).
+        open_buckets: dict[tuple, list[nn.Parameter]] = {}
+        sizes: dict[tuple, int] = {}
+        ordered: list[tuple[tuple, list[nn.Parameter]]] = []
+        for p in reversed(trainable):
+            key = (*owner[id(p)], p.dtype, p.device)
+            if key not in open_buckets:
+                open_buckets[key], sizes[key] = [], 0
+                ordered.append((key, open_buckets[key]))
+            open_buckets[key].append(p)
+            sizes[key] += p.numel() * p.element_size()
+            if sizes[key] >= self.bucket_bytes:
+                del open_buckets[key]
+        return [Bucket(i, ps, [names[id(p)] for p in ps], key[0], key[1], stage=self.stage, rank=self.rank,
+                       world=self.world, group=self.group) for i, (key, ps) in enumerate(ordered)]
+
+    def _make_hook(self, bucket: Bucket, i: int):
+        def hook(_: torch.Tensor) -> None:
+            if bucket.grad_buf is None:  # a backward that did not go through pre_backward
+                return
+            bucket.adopt_grad(i)
+            if self._comm_this_backward and self.overlap and bucket.pending == 0:
+                self._launch_in_order(force=False)
+        return hook
+
+    # ------------------------------------------------------------------ the controller
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches run inside this context are not an accumulation boundary."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def communicates_on_next_backward(self) -> bool:
+        return self._require_sync or self.policy is AccumulationPolicy.PER_MICRO_BATCH
+
+    def pre_backward(self) -> None:
+        self._boundary_this_backward = self._require_sync
+        self._comm_this_backward = self.communicates_on_next_backward()
+        self._next_launch = 0
+        for b in self.buckets:
+            if b.state is GradState.REDUCED:
+                raise RuntimeError(
+                    f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
+                    "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
+                    "backward, or wrap earlier micro-batches in strategy.block_backward_sync()/toggle_model(sync_grad=False)."
+                )
+            b.attach_grads()
+
+    def post_backward(self) -> None:
+        if not self._comm_this_backward:
+            for b in self.buckets:
+                b.set_state(GradState.ACCUMULATING)
+            return
+        self._launch_in_order(force=True)
+        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        for b in self.buckets:
+            b.finish_reduce(self._boundary_this_backward, accumulate)
+        self._comm_this_backward = False
+
+    def _launch_in_order(self, force: bool) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if not force and b.pending > 0:
+                return
+            b.launch_reduce(self._reduce_dtype_for(b), async_op=True)
+            self._next_launch += 1
+
+    def _reduce_dtype_for(self, b: Bucket) -> torch.dtype:
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype
+
+    # ------------------------------------------------------------------ optimizer step
+    def binding_for(self, optimizer: torch.optim.Optimizer) -> OptimizerBinding:
+        for b in self.bindings:
+            if b.optimizer is optimizer:
+                return b
+        raise ValueError(f"optimizer {type(optimizer).__name__} is not managed by this strategy; create it in "
+                         "configure_optimizers()")
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
+        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        for b in self.binding_for(optimizer).buckets:
+            if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
+                b.launch_reduce(self._reduce_dtype_for(b), async_op=False)
+                b.finish_reduce(True, accumulate)
+
+    def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
+        buckets = self.binding_for(optimizer).buckets
+        works = [b.launch_gather(async_op=True) for b in buckets]
+        C.wait_all(works)
+        for b in buckets:
+            b.end_window()
+        if self.broadcast_buffers and self.world > 1:
+            buffers = [t for t in self.module.buffers() if t.is_floating_point() or t.dtype == torch.long]
+            if buffers:
+                _broadcast_coalesced(buffers, self.group, tag="buffers")
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this window's gradients without updating (e.g. fp16 overflow), identically on every rank."""
+        for b in self.binding_for(optimizer).buckets:
+            b.end_window()
+
+    # ------------------------------------------------------------------ gradient utilities
+    def _shard_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [b.shard_param.grad for b in self.binding_for(optimizer).buckets if b.shard_param.grad is not None]
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over owned shard elements only (no padding, no replicas), one all-reduce."""
+        grads = self._shard_grads(optimizer)
+        device = self.buckets[0].device
+        if math.isinf(norm_type):
+            local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.zeros((), device=device))
+            total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+            if self.stage > 0 and self.world > 1:
+                C.all_reduce(total, op="max", group=self.group, tag="grad_norm")
+            return total
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                local += g.detach().float().abs().pow(norm_type).sum()
+        if self.stage > 0 and self.world > 1:
+            C.all_reduce(local, op="sum", group=self.group, tag="grad_norm")
+        return local.pow(1.0 / norm_type)
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        total = self.grad_norm(optimizer, norm_type)
+        self.last_grad_norm = float(total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self._shard_grads(optimizer):
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+        for g in self._shard_grads(optimizer):
+            g.clamp_(-clip_value, clip_value)
+
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
+        """Multiply shard grads by ``inv_scale``; return True when any rank saw inf/nan (agreed on all ranks)."""
+        found = torch.zeros((), dtype=torch.float32, device=self.buckets[0].device)
+        for g in self._shard_grads(optimizer):
+            g.mul_(inv_scale)
+            if g.numel() and not torch.isfinite(g).all():
+                found.fill_(1.0)
+        if self.world > 1:
+            C.all_reduce(found, op="max", group=self.group, tag="found_inf")
+        return bool(found.item())
+
+    # ------------------------------------------------------------------ accounting and teardown
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state held by this rank, measured from the tensors."""
+        rep = {"params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0}
+        bucketed = set()
+        for b in self.buckets:
+            for k, v in b.tensor_bytes().items():
+                rep[k] += v
+            bucketed.update(id(p) for p in b.params)
+        for p in self.module.parameters():
+            if id(p) not in bucketed:
+                rep["params"] += p.numel() * p.element_size()
+                if p.grad is not None:
+                    rep["grads"] += p.grad.numel() * p.grad.element_size()
+        rep["optimizer_state"] = sum(optimizer_state_bytes(b.optimizer) for b in self.bindings)
+        rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.stage else 0
+        rep["total"] = sum(v for k, v in rep.items() if k != "padding_elements")
+        return rep
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any, tag: str) -> None:
+    """Broadcast tensors from rank 0, one collective per dtype/device."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for ts in by_key.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        C.broadcast(flat, src=0, group=group, tag=tag)
+        with torch.no_grad():
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()

@@ -1,0 +1,40 @@
+"""Lifecycle states of a shard unit's gradients, with the transitions the engine may take.
+
+Every state change goes through :func:`transition`, which raises on an illegal move: a bug in the sync
+controller shows up as a named error at the point it happens, not as silently wrong gradients later.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"  # no gradient held for the current accumulation window
+    ACCUMULATING = "accumulating"  # gradients held locally (full buffer or fp32 shard accumulator), not yet final
+    REDUCING = "reducing"  # a collective on this unit's gradients is in flight
+    REDUCED = "reduced"  # the rank's final, averaged gradient shard is ready for the optimizer
+
+
+_ALLOWED = {
+    GradState.EMPTY: {GradState.ACCUMULATING, GradState.REDUCING},
+    GradState.ACCUMULATING: {GradState.ACCUMULATING, GradState.REDUCING, GradState.EMPTY},
+    GradState.REDUCING: {GradState.ACCUMULATING, GradState.REDUCED},
+    GradState.REDUCED: {GradState.EMPTY},
+}
+
+
+def transition(current: GradState, new: GradState, what: str) -> GradState:
+    if new not in _ALLOWED[current]:
+        raise RuntimeError(
+            f"lightning_shard internal error: {what} cannot go from {current.value} to {new.value} "
+            f"(allowed: {sorted(s.value for s in _ALLOWED[current])}). Please report this with the traceback."
+        )
+    return new
+
+
+class AccumulationPolicy(str, enum.Enum):
+    """What a shard unit communicates on micro-batches that are not an accumulation boundary."""
+
+    DEFER = "defer"  # nothing; full gradients are held until the boundary
+    PER_MICRO_BATCH = "per_micro_batch"  # reduce-scatter into an fp32 shard accumulator, free full grads
