@@ -1,1 +1,9 @@
-"""lightning_shard: ZeRO-1/2 (and later 3/FSDP) strategies for PyTorch Lightning."""
+"""lightning_shard: hand-written ZeRO sharding strategies for PyTorch Lightning.
+
+Importing the package registers the strategy names (``Trainer(strategy="zero2")``).
+"""
+
+from .strategies import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
+
+__version__ = "0.1.0"
+__all__ = ["Zero0Strategy", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy", "__version__"]

@@ -50,6 +50,8 @@ class Bucket:
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
         self.state = GradState.EMPTY
         self.pending = 0
+        self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
+        self._saved: list[tuple[slice, torch.Tensor, dict[str, torch.Tensor]]] = []
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
         self._work: Any = None
@@ -84,6 +86,7 @@ class Bucket:
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
+        self.used[i] = 1
         self.pending -= 1
 
     def release_grads(self) -> None:
@@ -144,8 +147,35 @@ class Bucket:
         return C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end], group=self.group,
                             async_op=async_op, tag=f"param_bucket{self.index}")
 
+    def protect_unused(self, unused: list[int], state: dict) -> None:
+        """Remember this rank's elements of parameters no rank used in the window (restored after the step).
+
+        torch optimizers skip a parameter whose ``.grad`` is None; a flat shard cannot skip part of itself, so
+        the engine snapshots those elements (value and per-element optimizer state) and puts them back.
+        """
+        self._saved = []
+        for i in unused:
+            slot = self.layout.slots[i]
+            lo, hi = max(slot.offset, self.own_lo), min(slot.end, self.own_hi)
+            if lo >= hi:
+                continue
+            sl = slice(lo - self.own_lo, hi - self.own_lo)
+            st = {k: v[sl].clone() for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
+            self._saved.append((sl, self.shard_param.detach()[sl].clone(), st))
+
+    def restore_unused(self, state: dict) -> None:
+        with torch.no_grad():
+            for sl, value, st in self._saved:
+                self.shard_param[sl] = value
+                for k, v in st.items():
+                    if k in state:
+                        state[k][sl] = v
+                    # state created by this very step for a never-used element stays as the optimizer made it
+        self._saved = []
+
     def end_window(self) -> None:
         """Close the accumulation window after the optimizer step (or a skipped step)."""
+        self.used.zero_()
         self.shard_param.grad = None
         self.accum = None
         if self.grad_buf is not None:

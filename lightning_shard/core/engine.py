@@ -48,7 +48,7 @@ class ShardEngine:
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
                  group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
-                 allow_custom_optimizer: bool = False) -> None:
+                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = False) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ShardEngine handles ZeRO stages 0, 1 and 2, got stage={stage}")
         if not bucket_mb > 0:
@@ -63,11 +63,12 @@ class ShardEngine:
         self.world, self.rank = C.get_world_size(group), C.get_rank(group)
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
         self.bucket_bytes = int(bucket_mb * 2**20)
         for opt in optimizers:
             validate_optimizer(opt, allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
-        self._sync_module_states()
+        sync_module_states(self.module, self.group)
         self.buckets = self._build_buckets()
         for binding in self.bindings:
             binding.rebind(self.buckets)
@@ -80,12 +81,6 @@ class ShardEngine:
         self.last_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
-    def _sync_module_states(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers (as DDP does at construction)."""
-        if self.world > 1:
-            tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
-            _broadcast_coalesced(tensors, self.group, tag="init_states")
-
     def _build_buckets(self) -> list[Bucket]:
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
         owner: dict[int, tuple[int, int]] = {}
@@ -195,10 +190,29 @@ class ShardEngine:
             if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
                 b.launch_reduce(self._reduce_dtype_for(b), async_op=False)
                 b.finish_reduce(True, accumulate)
+        if self.find_unused_parameters:
+            self._protect_unused(optimizer)
+
+    def _protect_unused(self, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters that got no gradient on any rank in this window are left untouched by the step (as torch
+        does for ``grad=None``). One small all-reduce of a used-mask per optimizer step."""
+        buckets = self.binding_for(optimizer).buckets
+        mask = torch.cat([b.used for b in buckets]).to(self.buckets[0].device)
+        if self.world > 1:
+            mask = mask.float()
+            C.all_reduce(mask, op="max", group=self.group, tag="used_mask")
+        off = 0
+        for b in buckets:
+            local = mask[off:off + len(b.params)]
+            off += len(b.params)
+            unused = [i for i in range(len(b.params)) if local[i] == 0]
+            b.protect_unused(unused, optimizer.state.get(b.shard_param, {}))
 
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
         buckets = self.binding_for(optimizer).buckets
+        for b in buckets:
+            b.restore_unused(optimizer.state.get(b.shard_param, {}))
         works = [b.launch_gather(async_op=True) for b in buckets]
         C.wait_all(works)
         for b in buckets:
@@ -281,6 +295,13 @@ class ShardEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def sync_module_states(module: nn.Module, group: Any) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DDP does at construction)."""
+    if C.get_world_size(group) > 1:
+        tensors = [p.data for p in module.parameters()] + list(module.buffers())
+        _broadcast_coalesced(tensors, group, tag="init_states")
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any, tag: str) -> None:

@@ -1,0 +1,164 @@
+"""``CommSummary``: per-step communication, memory and throughput figures for a training run.
+
+Per optimizer step it reads the collective ledger (``lightning_shard.core.collectives.LEDGER``) and logs,
+rank-local and unsynchronized, ``comm/wire_bytes_step``, ``comm/bytes_step`` and ``comm/collectives_step``
+through ``pl_module.log`` (so the CSV logger records them). At the end it holds the figures the summary
+table of ``lightning_shard.train`` prints (see :meth:`CommSummary.summary`).
+
+It works with any strategy: attributes of the sharding strategies (``strategy_name``,
+``accumulation_policy``, ``engine.memory_report()``) are read with fallbacks, and with a strategy that
+bypasses the ledger (e.g. Lightning's DDP) the communication figures read 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+try:
+    from lightning_shard.core.collectives import LEDGER, Ledger
+except ImportError:  # the core is optional for this callback
+    LEDGER, Ledger = None, None
+
+
+def module_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (unsharded fallback estimate)."""
+    params = {id(p): p for p in module.parameters()}.values()
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    o_bytes = 0
+    for opt in optimizers:
+        for state in getattr(opt, "state", {}).values():
+            o_bytes += sum(t.numel() * t.element_size() for t in state.values()
+                           if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes, "total": p_bytes + g_bytes + o_bytes}
+
+
+class CommSummary(Callback):
+    """Collect ledger bytes per optimizer step, model-state memory, tokens/s and losses."""
+
+    def __init__(self, log_per_step: bool = True) -> None:
+        self.log_per_step = log_per_step
+        self._mark: Optional[int] = None
+        self._step_at_batch_start = 0
+        self._window_losses: list[float] = []
+        self.step_wire_bytes: list[float] = []
+        self.step_bytes: list[int] = []
+        self.step_counts: list[int] = []
+        self.step_summaries: list[dict] = []
+        self.step_losses: list[float] = []  # mean train loss of each optimizer step's micro-batches (this rank)
+        self.val_losses: list[tuple[int, float]] = []  # (global_step, synchronized val_loss)
+        self.memory: dict[str, int] = {}
+        self.memory_source = "n/a"
+        self._train_time = 0.0
+        self._t_resume: Optional[float] = None
+        self._tokens_start = 0
+        self.tokens = 0
+        self.world_size = 1
+
+    # ------------------------------------------------------------------ timing (validation excluded)
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.world_size = trainer.world_size
+        self._tokens_start = getattr(pl_module, "tokens_seen", 0)
+        self._t_resume = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training and self._t_resume is not None:
+            self._train_time += time.perf_counter() - self._t_resume
+            self._t_resume = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        val = trainer.callback_metrics.get("val_loss")
+        if val is not None:
+            self.val_losses.append((trainer.global_step, float(val)))
+        if trainer.state.fn == "fit" and self._t_resume is None:
+            self._t_resume = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t_resume is not None:
+            self._train_time += time.perf_counter() - self._t_resume
+            self._t_resume = None
+        self.tokens = getattr(pl_module, "tokens_seen", 0) - self._tokens_start
+        self._read_memory(trainer, pl_module)
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._mark is None and LEDGER is not None:
+            self._mark = LEDGER.mark()
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = getattr(pl_module, "last_train_loss", None)
+        if loss is not None:
+            self._window_losses.append(float(loss))
+        if trainer.global_step == self._step_at_batch_start:
+            return  # not an accumulation boundary: the optimizer did not step
+        if self._window_losses:
+            self.step_losses.append(sum(self._window_losses) / len(self._window_losses))
+            self._window_losses = []
+        entries = LEDGER.since(self._mark) if LEDGER is not None and self._mark is not None else []
+        self._mark = None
+        wire = float(sum(e.wire_bytes for e in entries))
+        nbytes = int(sum(e.bytes for e in entries))
+        self.step_wire_bytes.append(wire)
+        self.step_bytes.append(nbytes)
+        self.step_counts.append(len(entries))
+        self.step_summaries.append(Ledger.summarize(entries) if Ledger is not None else {})
+        if len(self.step_wire_bytes) == 1:
+            self._read_memory(trainer, pl_module)
+        if self.log_per_step:
+            pl_module.log_dict({"comm/wire_bytes_step": wire, "comm/bytes_step": float(nbytes),
+                                "comm/collectives_step": float(len(entries))},
+                               on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=False)
+
+    def _read_memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        report = getattr(engine, "memory_report", None)
+        if callable(report):
+            mem = {k: int(v) for k, v in report().items()}
+            self.memory_source = "engine.memory_report()"
+        else:
+            mem = module_state_bytes(pl_module, trainer.optimizers)
+            self.memory_source = "module tensors (unsharded estimate)"
+        if mem.get("total", 0) >= self.memory.get("total", 0):
+            self.memory = mem
+
+    # ------------------------------------------------------------------ results
+    def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Figures for the final table (rank-local except val_loss, which is synchronized by the module)."""
+        strategy = trainer.strategy
+        steps = len(self.step_wire_bytes)
+        by_op: dict[str, float] = {}
+        for s in self.step_summaries:
+            for (op, group), row in s.items():
+                key = f"{op}[{group}]"
+                by_op[key] = by_op.get(key, 0.0) + row["wire_bytes"] / max(1, steps)
+        tokens_per_s = self.tokens * self.world_size / self._train_time if self._train_time > 0 else math.nan
+        return {
+            "strategy": getattr(strategy, "strategy_name", None) or type(strategy).__name__,
+            "accumulation_policy": getattr(strategy, "accumulation_policy", None) or "-",
+            "world_size": trainer.world_size,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "optimizer_steps": trainer.global_step,
+            "wire_bytes_per_step": sum(self.step_wire_bytes) / steps if steps else 0.0,
+            "wire_bytes_per_step_by_op": by_op,
+            "collectives_per_step": sum(self.step_counts) / steps if steps else 0.0,
+            "ledger_available": LEDGER is not None,
+            "memory": dict(self.memory),
+            "memory_source": self.memory_source,
+            "train_time_s": self._train_time,
+            "tokens_per_s": tokens_per_s,
+            "first_train_loss": self.step_losses[0] if self.step_losses else math.nan,
+            "last_train_loss": self.step_losses[-1] if self.step_losses else math.nan,
+            "final_val_loss": self.val_losses[-1][1] if self.val_losses else math.nan,
+            "final_val_step": self.val_losses[-1][0] if self.val_losses else -1,
+        }

@@ -1,0 +1,96 @@
+"""Precision plugin for the sharded strategies.
+
+Lightning picks a precision plugin from ``Trainer(precision=...)``; a sharded strategy must change what
+happens around the optimizer step (shard gradients, global clipping norm, agreed fp16 overflow skip), so
+the strategy wraps whichever plugin Lightning chose in :class:`ShardedPrecision`. Casting, autocast and
+init contexts stay the chosen plugin's; the step, clipping and loss scaling become ours.
+
+Module-level class (picklable for the spawn launcher).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+from ..core.scaler import LossScaler
+
+SUPPORTED = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class ShardedPrecision(Precision):
+    def __init__(self, inner: Optional[Precision] = None) -> None:
+        inner = inner if inner is not None else Precision()
+        if isinstance(inner, ShardedPrecision):
+            inner = inner.inner
+        if type(inner) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+            raise ValueError(
+                f"precision plugin {type(inner).__name__} is not supported by the lightning_shard strategies; use "
+                f"Trainer(precision=...) with one of {', '.join(SUPPORTED)}."
+            )
+        self.inner = inner
+        self.precision = inner.precision
+        # fp16 needs loss scaling; Lightning's torch GradScaler decides per rank, ours agrees across ranks.
+        self.loss_scaler: Optional[LossScaler] = LossScaler() if self.precision in ("16-mixed", "16-true") else None
+        self.engine: Any = None  # set by the strategy once the engine exists
+
+    # ---------------------------------------------------------------- delegated to Lightning's plugin
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.inner.convert_module(module)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self.inner.tensor_init_context()
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.inner.module_init_context()
+
+    def forward_context(self) -> AbstractContextManager:
+        return self.inner.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        return self.inner.convert_input(data)
+
+    def convert_output(self, data: Any) -> Any:
+        return self.inner.convert_output(data)
+
+    # ---------------------------------------------------------------- ours
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if self.loss_scaler is not None:
+            tensor = tensor * self.loss_scaler.scale
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("ShardedPrecision.optimizer_step called before the strategy set up its engine")
+        closure_result = closure()  # forward + backward (the boundary backward finishes the reductions)
+        engine.prepare_step(optimizer)
+        found_inf = False
+        if self.loss_scaler is not None:
+            found_inf = engine.unscale_and_check(optimizer, 1.0 / self.loss_scaler.scale)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping, on true grads
+        if found_inf:  # every rank got the same answer from the all-reduced flag
+            engine.skip_step(optimizer)
+            self.loss_scaler.update(True)
+            return closure_result
+        optimizer.step(**kwargs)
+        engine.finish_step(optimizer)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(False)
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self.engine.clip_grad_norm_(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        self.engine.clip_grad_value_(optimizer, clip_val)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])

@@ -1,0 +1,320 @@
+"""Lightning strategies ``zero0``, ``zero1`` and ``zero2``: thin adapters over :class:`ShardEngine`.
+
+``Trainer(strategy="zero2")`` (names registered when ``lightning_shard`` is imported) or
+``Trainer(strategy=Zero2Strategy(bucket_mb=50, accumulation="per_micro_batch"))``.
+
+Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*.yaml``):
+
+``accumulation``  ``"defer"`` | ``"per_micro_batch"`` | ``"auto"`` (default). What non-boundary micro-batches
+                  communicate: ``defer`` nothing (full gradients held until the boundary); ``per_micro_batch``
+                  (zero2 only) reduce-scatters every micro-batch into an fp32 shard accumulator and frees the
+                  full gradients. ``auto`` picks one at setup and logs why.
+``bucket_mb``     gradient bucket size in MiB (default 25). Larger buckets: fewer collectives; smaller: earlier
+                  overlap with backward.
+``reduce_dtype``  ``None`` (fp32 reduction, default) or ``"bf16"``/``"fp16"``/``"fp32"``.
+``overlap``       launch bucket reductions from gradient hooks during backward (default True).
+``broadcast_buffers``  broadcast buffers (BatchNorm statistics) from rank 0 after every optimizer step.
+``start_method``  ``"popen"`` (default, re-runs the script per rank like DDP), ``"fork"``, ``"spawn"``.
+``timeout_s``     collective timeout in seconds (default 1800).
+``allow_custom_optimizer``  accept optimizers not known to be element-wise (see ``core/optim.py``).
+``find_unused_parameters``  leave parameters that got no gradient on any rank in a window untouched by the step,
+                  exactly as torch does for ``grad=None`` (costs one small all-reduce per step). Off (default),
+                  they step with a zero gradient, so momentum/weight decay still move them (as DDP does).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Optional, Union
+
+import torch
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+
+from ..core import collectives as C
+from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
+from .precision import ShardedPrecision
+
+log = logging.getLogger(__name__)
+
+KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
+         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "accelerator", "parallel_devices",
+         "cluster_environment", "checkpoint_io", "precision_plugin")
+ACCUMULATION = ("auto", "defer", "per_micro_batch")
+START_METHODS = ("popen", "fork", "spawn", "forkserver")
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
+
+    strategy_name = "zero"
+
+    def __init__(self, stage: int = 2, accumulation: str = "auto", bucket_mb: float = 25.0,
+                 reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
+                 start_method: str = "popen", process_group_backend: Optional[str] = None,
+                 timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
+                 find_unused_parameters: bool = False, accelerator: Any = None,
+                 parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
+                 checkpoint_io: Any = None, precision_plugin: Optional[Precision] = None, **unknown: Any) -> None:
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, KNOBS, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
+                            f"{', '.join(KNOBS)}")
+        if stage not in (0, 1, 2):
+            raise ValueError(f"stage must be 0, 1 or 2 for {type(self).__name__}, got {stage!r}")
+        if accumulation not in ACCUMULATION:
+            raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {accumulation!r}")
+        if accumulation == "per_micro_batch" and stage != 2:
+            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (zero2); zero{stage} holds "
+                             "full gradients anyway: use accumulation='defer' or 'auto'.")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        parse_reduce_dtype(reduce_dtype)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.stage, self.accumulation = stage, accumulation
+        self.bucket_mb, self.reduce_dtype, self.overlap = float(bucket_mb), reduce_dtype, overlap
+        self.broadcast_buffers, self.allow_custom_optimizer = broadcast_buffers, allow_custom_optimizer
+        self.find_unused_parameters = find_unused_parameters
+        self._start_method, self._process_group_backend = start_method, process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self._num_nodes = 1
+        self.engine: Optional[ShardEngine] = None
+        self.accumulation_policy: Optional[str] = None
+        self.accumulation_reason: str = ""
+
+    # ------------------------------------------------------------------ Lightning surface
+    @property
+    def strategy_name_full(self) -> str:
+        return f"zero{self.stage}"
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning injects a DistributedSampler and reduces sync_dist logs only when this is True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ShardedPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else ShardedPrecision(plugin)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if C.is_initialized():  # e.g. a second fit in the same process, or a harness that made the group
+            if C.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"a process group of {C.get_world_size()} ranks already exists but the Trainer asks for "
+                    f"{self.num_nodes} node(s) x {self.num_processes} device(s) = {self.world_size} ranks; set "
+                    f"Trainer(devices=..., num_nodes=...) to match the launched processes."
+                )
+            return
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            policy, reason = self._resolve_accumulation(trainer)
+            self.accumulation_policy, self.accumulation_reason = policy, reason
+            rank_zero_info(f"lightning_shard zero{self.stage}: accumulation={policy} ({reason})")
+            self.engine = ShardEngine(self.model, self.optimizers, stage=self.stage, bucket_mb=self.bucket_mb,
+                                      reduce_dtype=self.reduce_dtype, accumulation=policy, overlap=self.overlap,
+                                      broadcast_buffers=self.broadcast_buffers,
+                                      allow_custom_optimizer=self.allow_custom_optimizer,
+                                      find_unused_parameters=self.find_unused_parameters)
+            self.precision_plugin.engine = self.engine
+        else:
+            sync_module_states(self.model, None)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
+        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        if self.accumulation != "auto":
+            return self.accumulation, "set explicitly"
+        if self.stage != 2:
+            return "defer", f"zero{self.stage} keeps full gradients, so deferring costs no memory"
+        if acc == 1:
+            return "defer", "accumulate_grad_batches=1: every micro-batch is a boundary"
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        if self.root_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.root_device)
+            if grad_bytes > 0.25 * free:
+                return "per_micro_batch", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) exceed 25% of free device "
+                                           f"memory ({free / 2**20:.0f} MiB): trade {acc - 1} extra reduce-scatters "
+                                           "per step for holding only the gradient shard")
+        return "defer", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) fit comfortably: defer saves {acc - 1} of "
+                         f"{acc} reduce-scatters per optimizer step")
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ gradient sync
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.engine is None:
+            yield None
+            return
+        with self.engine.no_sync():
+            yield None
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Precision backward, then the engine's reductions, then ``post_backward`` hooks (as DDP orders them)."""
+        module = self.lightning_module
+        if self.engine is not None:
+            self.engine.pre_backward()
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self.engine is not None:
+            self.engine.post_backward()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor) or not C.is_initialized():
+            return tensor
+        name = str(getattr(reduce_op, "name", reduce_op) or "mean").lower().replace("reduceop.", "")
+        if name not in ("mean", "avg", "sum", "max", "min"):
+            raise ValueError(f"reduce_op must be mean/sum/max/min, got {reduce_op!r}")
+        out = tensor.detach().clone() if name not in ("mean", "avg") else tensor.detach().float().clone()
+        C.all_reduce(out, op="sum" if name in ("mean", "avg") else name, group=group, tag="metric")
+        if name in ("mean", "avg"):
+            out = out / C.get_world_size(group)
+        return out
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        C.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return C.broadcast_object(obj, src)
+
+    # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.engine is None:
+            return optimizer.state_dict()
+        return self.engine.binding_for(getattr(optimizer, "_optimizer", optimizer)).full_state_dict()
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"checkpoint holds {len(states)} optimizer states, the model configured "
+                             f"{len(self.optimizers)} optimizers")
+        for optimizer, state in zip(self.optimizers, states):
+            if self.engine is None:
+                optimizer.load_state_dict(state)
+            else:
+                self.engine.binding_for(optimizer).load_full_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        for stage, what in ((0, "data parallel through the sharding engine (baseline)"),
+                            (1, "ZeRO-1: sharded optimizer state"),
+                            (2, "ZeRO-2: sharded optimizer state and gradients")):
+            name = f"zero{stage}"
+            if name not in registry:
+                registry.register(name, STAGE_CLASSES[stage], description=f"lightning_shard {what}")
+
+
+class Zero0Strategy(ZeroStrategy):
+    """Plain data parallel on the same engine (all-reduce, replicated optimizer): the honest baseline."""
+
+    strategy_name = "zero0"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(stage=kwargs.pop("stage", 0), **kwargs)
+
+
+class Zero1Strategy(ZeroStrategy):
+    """ZeRO-1: optimizer state sharded; reduce-scatter gradients, all-gather parameters."""
+
+    strategy_name = "zero1"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(stage=kwargs.pop("stage", 1), **kwargs)
+
+
+class Zero2Strategy(ZeroStrategy):
+    """ZeRO-2: optimizer state and gradients sharded."""
+
+    strategy_name = "zero2"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(stage=kwargs.pop("stage", 2), **kwargs)
+
+
+STAGE_CLASSES = {0: Zero0Strategy, 1: Zero1Strategy, 2: Zero2Strategy}
