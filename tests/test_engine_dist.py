@@ -1,0 +1,145 @@
+"""The engine without Lightning on 2 gloo ranks: overlap from gradient hooks, fp16 overflow agreement,
+bf16 master weights, low-precision reduction, launch order."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shard.core import collectives as C
+from lightning_shard.core.engine import ShardEngine
+from tests.harness import World
+
+
+@pytest.fixture(scope="module")
+def w():
+    world = World(2)
+    yield world
+    world.close()
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(9, 31), nn.Tanh(), nn.Linear(31, 17), nn.Tanh(), nn.Linear(17, 5)).to(dtype)
+
+
+def _data(steps: int, world: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(steps, world * 4, 9, generator=g).to(dtype), torch.randn(steps, world * 4, 5, generator=g).to(dtype)
+
+
+def _train(engine: ShardEngine, model: nn.Module, opt: torch.optim.Optimizer, steps: int, dtype=torch.float32):
+    world, rank = C.get_world_size(), C.get_rank()
+    X, Y = _data(steps, world, dtype)
+    for s in range(steps):
+        x, y = X[s].view(world, 4, 9)[rank], Y[s].view(world, 4, 5)[rank]
+        engine.pre_backward()
+        ((model(x) - y) ** 2).mean().float().backward()
+        engine.post_backward()
+        engine.prepare_step(opt)
+        opt.step()
+        engine.finish_step(opt)
+
+
+def launches_during_backward(overlap: bool) -> list[tuple[str, bool]]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002, overlap=overlap)
+    seen: list[tuple[str, bool]] = []
+    C.set_before_issue_hook(lambda op, tag: seen.append((tag, torch._C._current_graph_task_id() != -1)))
+    try:
+        _train(engine, model, opt, 1)
+    finally:
+        C.set_before_issue_hook(None)
+    engine.remove_hooks()
+    return seen
+
+
+def test_reductions_launch_from_hooks_during_backward(w):
+    on = w.run(launches_during_backward, True)[0]
+    off = w.run(launches_during_backward, False)[0]
+    grads_on = [(t, inside) for t, inside in on if t.startswith("grad_bucket")]
+    grads_off = [(t, inside) for t, inside in off if t.startswith("grad_bucket")]
+    assert len(grads_on) >= 3
+    # launch order is bucket order (same on every rank), and with overlap all but the buckets completed by
+    # the very last gradient are issued while autograd is still running
+    assert [t for t, _ in grads_on] == [f"grad_bucket{i}" for i in range(len(grads_on))]
+    assert sum(inside for _, inside in grads_on) >= len(grads_on) - 1
+    assert not any(inside for _, inside in grads_off)
+    # parameter all-gathers happen after the optimizer step, never inside backward
+    assert not any(inside for t, inside in on if t.startswith("param_bucket"))
+
+
+def overflow_decision(inject_on_rank: int) -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0005)
+    X, Y = _data(1, 2)
+    rank = C.get_rank()
+    engine.pre_backward()
+    ((model(X[0].view(2, 4, 9)[rank]) - Y[0].view(2, 4, 5)[rank]) ** 2).mean().backward()
+    engine.post_backward()
+    engine.prepare_step(opt)
+    if rank == inject_on_rank:  # an overflow only this rank can see: in its own gradient shard
+        engine.buckets[-1].shard_param.grad[0] = float("inf")
+    found = engine.unscale_and_check(opt, 1.0 / 1024)
+    before = [p.detach().clone() for p in model.parameters()]
+    if found:
+        engine.skip_step(opt)
+    else:
+        opt.step()
+        engine.finish_step(opt)
+    changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    engine.remove_hooks()
+    return {"found": found, "changed": changed}
+
+
+def test_fp16_overflow_decision_agrees_on_all_ranks(w):
+    injected = w.run(overflow_decision, 1)
+    clean = w.run(overflow_decision, -1)
+    assert [r["found"] for r in injected] == [True, True]
+    assert [r["changed"] for r in injected] == [False, False]  # no rank updates alone
+    assert [r["found"] for r in clean] == [False, False]
+    assert [r["changed"] for r in clean] == [True, True]
+
+
+def bf16_master(reduce_dtype: Any) -> dict[str, Any]:
+    model = _model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0, reduce_dtype=reduce_dtype)
+    _train(engine, model, opt, 6, torch.bfloat16)
+    b = engine.buckets[0]
+    full_master = torch.empty(b.layout.padded_numel, dtype=torch.float32)
+    shard = torch.zeros(b.layout.shard_numel)
+    shard[: b.owned_numel] = b.master
+    C.all_gather(full_master, shard)
+    return {"master_dtype": str(b.master.dtype), "param_dtype": str(b.flat_param.dtype),
+            "master": full_master[: b.layout.numel].clone(), "flat": b.flat_param[: b.layout.numel].float().clone(),
+            "reduce_ops": [e.dtype for e in C.LEDGER.since(0) if e.tag.startswith("grad_bucket")][-1]}
+
+
+def fp32_run() -> torch.Tensor:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0)
+    _train(engine, model, opt, 6)
+    return engine.buckets[0].flat_param[: engine.buckets[0].layout.numel].clone()
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "bf16"])
+def test_bf16_params_keep_fp32_master(w, reduce_dtype):
+    res = w.run(bf16_master, reduce_dtype)
+    ref = w.run(fp32_run)[0]
+    r = res[0]
+    assert r["master_dtype"] == "torch.float32" and r["param_dtype"] == "torch.bfloat16"
+    assert r["reduce_ops"] == ("bfloat16" if reduce_dtype else "float32")
+    # bf16 parameters are the rounded fp32 masters, identical on both ranks
+    assert torch.equal(r["flat"], r["master"].to(torch.bfloat16).float())
+    assert torch.equal(res[1]["master"], r["master"])
+    # masters track fp32 training far better than bf16 parameters could hold the small updates
+    err_master = float((r["master"] - ref).abs().max())
+    assert err_master < 3e-2, err_master
