@@ -234,3 +234,20 @@ def test_full_checkpoint_resume_is_exact(worlds, tmp_path, stage):
 def test_auto_policy_is_logged_and_resolved(worlds):
     res = worlds(2).run(fit_zero, 2, "auto", 3)[0]
     assert res["policy"] in ("defer", "per_micro_batch")
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_true_resume_keeps_fp32_masters(worlds, tmp_path, precision):
+    """bf16-true/16-true keep fp32 masters; the checkpoint stores them (fp32), so resuming is exact too."""
+    kw = dict(optimizer="sgd", data_steps=3, precision=precision, bn=False)
+    straight = worlds(2).run(fit_zero, 2, "per_micro_batch", 3, steps=6, ckpt_dir=str(tmp_path), **kw)
+    ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["state_dict"]["net.lin1.weight"].dtype == torch.float32
+    if precision == "16-true":
+        assert saved["ShardedPrecision"]["loss_scaler"]["scale"] > 0
+    resumed = worlds(2).run(fit_zero, 2, "per_micro_batch", 3, steps=6, resume_from=ckpt, **kw)
+    for a, b in zip(straight, resumed):
+        assert a["state"]["net.lin1.weight"].dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float16)
+        assert max_diff(params_of(a["state"]), params_of(b["state"])) == 0.0
+        assert a["memory"]["master"] > 0

@@ -272,6 +272,48 @@ class ShardEngine:
             C.all_reduce(found, op="max", group=self.group, tag="found_inf")
         return bool(found.item())
 
+    # ------------------------------------------------------------------ fp32 masters (half-precision params)
+    def _aliases(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), []).append(name)
+        return out
+
+    def gather_masters(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master weights by parameter name (every alias of a tied weight). Collective."""
+        aliases, out = self._aliases(), {}
+        for b in self.buckets:
+            if b.master is None:
+                continue
+            if b.stage == 0:
+                full = b.master
+            else:
+                shard = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.device)
+                shard[: b.owned_numel].copy_(b.master)
+                full = torch.empty(b.layout.padded_numel, dtype=torch.float32, device=b.device)
+                C.all_gather(full, shard, group=self.group, tag="checkpoint")
+            for slot, p in zip(b.layout.slots, b.params):
+                value = full[slot.offset - (b.own_lo if b.stage == 0 else 0):][: slot.numel].view(slot.shape).clone()
+                for name in aliases[id(p)]:
+                    out[name] = value
+        return out
+
+    def load_masters(self, state: dict[str, torch.Tensor]) -> None:
+        """Initialise fp32 masters from full fp32 tensors by name (e.g. a checkpoint's state_dict)."""
+        aliases = self._aliases()
+        for b in self.buckets:
+            if b.master is None:
+                continue
+            flat = b.master.new_zeros(b.layout.padded_numel)
+            found = 0
+            for slot, p in zip(b.layout.slots, b.params):
+                src = next((state[n] for n in aliases[id(p)] if n in state), None)
+                if src is not None and src.dtype == torch.float32 and src.numel() == slot.numel:
+                    flat[slot.offset:slot.end].copy_(src.reshape(-1))
+                    found += 1
+            if found == len(b.params):
+                b.master.copy_(flat[b.own_lo:b.own_hi])
+
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""

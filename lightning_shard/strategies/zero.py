@@ -99,6 +99,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engine: Optional[ShardEngine] = None
         self.accumulation_policy: Optional[str] = None
         self.accumulation_reason: str = ""
+        self._masters_from_checkpoint: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ Lightning surface
     @property
@@ -190,6 +191,9 @@ class ZeroStrategy(ParallelStrategy):
                                       allow_custom_optimizer=self.allow_custom_optimizer,
                                       find_unused_parameters=self.find_unused_parameters)
             self.precision_plugin.engine = self.engine
+            if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
+                self.engine.load_masters(self._masters_from_checkpoint)
+                self._masters_from_checkpoint = {}
         else:
             sync_module_states(self.model, None)
         self.setup_precision_plugin()
@@ -258,6 +262,24 @@ class ZeroStrategy(ParallelStrategy):
         return C.broadcast_object(obj, src)
 
     # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights; with half-precision parameters the fp32 masters are saved instead (collective)."""
+        state = self.lightning_module.state_dict()
+        if self.engine is not None:
+            state.update(self.engine.gather_masters())
+        return state
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        self.lightning_module.load_state_dict(state, strict=strict)
+        if self.precision_plugin.precision not in ("bf16-true", "16-true"):
+            return
+        names = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
+        masters = {n: v for n, v in state.items() if n in names and v.dtype == torch.float32}
+        if self.engine is not None:
+            self.engine.load_masters(masters)
+        else:
+            self._masters_from_checkpoint = masters
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.engine is None:
             return optimizer.state_dict()
