@@ -42,8 +42,11 @@ def module_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> dict[s
 class CommSummary(Callback):
     """Collect ledger bytes per optimizer step, model-state memory, tokens/s and losses."""
 
-    def __init__(self, log_per_step: bool = True) -> None:
+    def __init__(self, log_per_step: bool = True, on_fit_end_fn: Optional[Any] = None) -> None:
         self.log_per_step = log_per_step
+        # Called as ``fn(self.summary(trainer))`` on global rank 0 at the end of fit. Used with fork/spawn
+        # launchers, whose worker processes hold the figures while the launching process gets none back.
+        self.on_fit_end_fn = on_fit_end_fn
         self._mark: Optional[int] = None
         self._step_at_batch_start = 0
         self._window_losses: list[float] = []
@@ -87,6 +90,10 @@ class CommSummary(Callback):
             self._t_resume = None
         self.tokens = getattr(pl_module, "tokens_seen", 0) - self._tokens_start
         self._read_memory(trainer, pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.on_fit_end_fn is not None and trainer.is_global_zero:
+            self.on_fit_end_fn(self.summary(trainer))
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

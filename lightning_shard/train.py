@@ -16,6 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
 from lightning_shard.batching import derive_accumulation
 from lightning_shard.callbacks import CommSummary
 
@@ -120,6 +122,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         loggers = CSVLogger(save_dir=HydraConfig.get().runtime.output_dir, name=cfg.logger.name)
     trainer = L.Trainer(strategy=strategy, callbacks=[comm], logger=loggers,
                         **build_trainer_kwargs(cfg, accumulate))
+    if isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
+        # fork/spawn: fit runs in worker processes and this process gets none of the figures back, so
+        # rank 0's worker prints the table at the end of fit (no extra final validation in this mode).
+        comm.on_fit_end_fn = print_summary
+        trainer.fit(module, datamodule=datamodule)
+        return {}
     trainer.fit(module, datamodule=datamodule)
     last_val_step = comm.val_losses[-1][0] if comm.val_losses else None
     if cfg.final_validation and last_val_step != trainer.global_step:

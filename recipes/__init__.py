@@ -1,0 +1,9 @@
+"""Recipes: LightningModules and DataModules that the strategies train.
+
+Recipes depend on Lightning and torch only; they never import ``lightning_shard.core`` (DESIGN.md §3).
+"""
+
+from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
+from recipes.gpt import GPT, GPTLightningModule
+
+__all__ = ["GPT", "GPTLightningModule", "StdlibTextDataModule", "WindowDataset", "load_stdlib_corpus"]

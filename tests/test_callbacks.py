@@ -1,0 +1,46 @@
+"""CommSummary reads the collective ledger per optimizer step and logs comm/* figures (one process)."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning as L
+import torch
+
+from lightning_shard.callbacks import CommSummary
+from lightning_shard.core.collectives import LEDGER
+from recipes.corpus import StdlibTextDataModule
+from recipes.gpt import GPTLightningModule
+
+
+class _RecordingModule(GPTLightningModule):
+    """Records one fake collective per micro-batch and one per optimizer step into the ledger."""
+
+    def training_step(self, batch, batch_idx):
+        LEDGER.record("reduce_scatter", None, torch.zeros(100), tag="test_micro")  # 400 bytes
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        LEDGER.record("all_gather", None, torch.zeros(50), tag="test_step")  # 200 bytes
+
+
+def test_comm_summary_counts_ledger_entries_per_optimizer_step(tmp_path):
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    dm = StdlibTextDataModule(block_size=16, micro_batch_size=4, max_bytes=50_000, max_val_windows=8)
+    module = _RecordingModule(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    comm = CommSummary()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=3,
+                        limit_val_batches=0, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[comm],
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="t"))
+    trainer.fit(module, datamodule=dm)
+    assert comm.step_counts == [4] * 6  # 3 micro-batches + 1 step-time collective per optimizer step
+    assert comm.step_bytes == [3 * 400 + 200] * 6
+    s = comm.summary(trainer)
+    assert s["optimizer_steps"] == 6 and s["accumulate_grad_batches"] == 3
+    assert s["collectives_per_step"] == 4
+    assert set(s["wire_bytes_per_step_by_op"]) == {"reduce_scatter[world]", "all_gather[world]"}
+    rows = list(csv.DictReader(open(tmp_path / "t" / "version_0" / "metrics.csv")))
+    logged = [float(r["comm/bytes_step"]) for r in rows if r.get("comm/bytes_step")]
+    assert logged and all(b == 1400.0 for b in logged)

@@ -1,0 +1,152 @@
+"""Single-process checks of the tiny recipe: corpus, GPT model, and a short fit that learns."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import RandomSampler
+
+from lightning_shard.callbacks import CommSummary
+from recipes.corpus import StdlibTextDataModule, WindowDataset, is_validation_file, load_stdlib_corpus
+from recipes.gpt import GPT, GPTLightningModule, warmup_cosine
+
+TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_stdlib_corpus(max_bytes=200_000, val_fraction=0.1)
+
+
+# ------------------------------------------------------------------------------------ corpus
+def test_corpus_is_deterministic(corpus):
+    again = load_stdlib_corpus(max_bytes=200_000, val_fraction=0.1)
+    assert torch.equal(corpus.train, again.train) and torch.equal(corpus.val, again.val)
+    assert corpus.train_files == again.train_files
+
+
+def test_corpus_respects_the_byte_cap(corpus):
+    assert corpus.train.dtype == torch.uint8
+    assert corpus.train.numel() == 180_000 and corpus.val.numel() == 20_000
+    assert list(corpus.train_files) == sorted(corpus.train_files)
+
+
+def test_split_is_disjoint_and_by_hash(corpus):
+    assert corpus.train_files and corpus.val_files
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    assert all(is_validation_file(f, 0.1) for f in corpus.val_files)
+    assert not any(is_validation_file(f, 0.1) for f in corpus.train_files)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(val_fraction=0.0), "val_fraction"),
+                                          (dict(val_fraction=1.0), "val_fraction"),
+                                          (dict(max_bytes=100), "max_bytes")])
+def test_corpus_refuses_bad_knobs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        load_stdlib_corpus(**kwargs)
+
+
+def test_windows_shift_by_one():
+    tokens = torch.arange(100, dtype=torch.uint8)
+    ds = WindowDataset(tokens, block_size=10)
+    assert len(ds) == (100 - 11) // 10 + 1
+    x, y = ds[3]
+    assert x.dtype == torch.long and x.shape == (10,)
+    assert torch.equal(x, torch.arange(30, 40)) and torch.equal(y, torch.arange(31, 41))
+    x_last, y_last = ds[len(ds) - 1]
+    assert int(y_last[-1]) <= 99
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    with pytest.raises(ValueError, match="block_size \\+ 1 = 101"):
+        WindowDataset(tokens, block_size=100)
+
+
+def test_datamodule_leaves_the_sampler_to_lightning():
+    dm = StdlibTextDataModule(block_size=32, micro_batch_size=4, max_bytes=50_000, max_val_windows=8)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert isinstance(loader.sampler, RandomSampler)  # Lightning swaps in a DistributedSampler
+    x, y = next(iter(loader))
+    assert x.shape == (4, 32) and y.shape == (4, 32)
+    assert len(dm.val_set) == 8
+
+
+# ------------------------------------------------------------------------------------ model
+def test_gpt_forward_shapes():
+    model = GPT(**TINY)
+    logits = model(torch.randint(0, 256, (3, 17)))
+    assert logits.shape == (3, 17, 256)
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.randint(0, 256, (1, 33)))
+    with pytest.raises(ValueError, match="30 % 4 = 2"):
+        GPT(n_embd=30, n_head=4)
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPT(**TINY).eval()
+    idx = torch.randint(0, 256, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 256
+    a, b = model(idx), model(changed)
+    assert torch.allclose(a[0, :10], b[0, :10], atol=1e-6)
+    assert not torch.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_tied_weights_are_really_tied():
+    model = GPT(**TINY)
+    assert model.lm_head.weight is model.wte.weight
+    untied = GPT(**TINY, tie_weights=False)
+    assert model.num_parameters() == untied.num_parameters() - 256 * 32
+    # a step through the LightningModule's optimizer keeps them one tensor
+    module = GPTLightningModule(**TINY, total_steps=10)
+    opt = module.configure_optimizers()["optimizer"]
+    loss = module._loss((torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))))
+    loss.backward()
+    opt.step()
+    assert module.model.lm_head.weight.data_ptr() == module.model.wte.weight.data_ptr()
+
+
+def test_param_groups_split_decay():
+    module = GPTLightningModule(**TINY)
+    decay, no_decay = module.param_groups()
+    all_params = list(module.model.parameters())
+    ids = [id(p) for p in decay["params"] + no_decay["params"]]
+    assert len(ids) == len(set(ids)) == len(all_params)
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert any(p is module.model.wte.weight for p in no_decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"] if p is not module.model.wte.weight
+               and p is not module.model.wpe.weight)
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+
+
+def test_warmup_cosine_schedule():
+    assert warmup_cosine(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert warmup_cosine(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert warmup_cosine(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(500, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------ short fit
+def test_twenty_step_fit_lowers_the_loss():
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    dm = StdlibTextDataModule(block_size=32, micro_batch_size=16, max_bytes=100_000, max_val_windows=32)
+    module = GPTLightningModule(**TINY, lr=1e-2, warmup_steps=2)
+    comm = CommSummary()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=20, accumulate_grad_batches=2,
+                        limit_val_batches=2, val_check_interval=20, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[comm])
+    trainer.fit(module, datamodule=dm)
+    s = comm.summary(trainer)
+    assert trainer.global_step == 20 and len(comm.step_losses) == 20
+    assert s["first_train_loss"] == pytest.approx(math.log(256), abs=0.5)
+    assert s["last_train_loss"] < s["first_train_loss"] - 1.0
+    assert s["final_val_step"] == 20 and s["final_val_loss"] < s["first_train_loss"] - 1.0
+    assert module.tokens_seen == 20 * 2 * 16 * 32 and s["tokens_per_s"] > 0
+    assert s["memory"]["total"] > 0
