@@ -15,17 +15,19 @@ from torch import nn
 
 from . import collectives as C
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
-from .state import GradState, transition
+from .state import GradState, ParamState, param_transition, transition
 
 
 class Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: int,
-                 group_index: int, *, stage: int, rank: int, world: int, group: Any) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
+                 group_index: Optional[int], *, stage: int, rank: int, world: int, group: Any) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.stage, self.rank, self.world, self.group = stage, rank, world, group
         self.dtype = params[0].dtype
         self.device = params[0].device
+        self.itemsize = params[0].element_size()
+        self.unit: Any = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
         # stage 0 keeps a single "shard": the whole buffer; stages 1/2 split it across the group
         self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)],
                                                1 if stage == 0 else world)
@@ -36,15 +38,25 @@ class Bucket:
         self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             flatten_into(self.layout, [p.detach() for p in params], self.flat_param)
-        for p, view in zip(params, slot_views(self.layout, self.flat_param)):
-            p.data = view
-        own = self.flat_param[self.own_lo:self.own_hi]
+        self.trainable = opt_index is not None  # stage 3 also shards frozen parameters, with no optimizer
+        # stage 3: only the padded shard persists; the full buffer exists while the unit is unsharded
+        self.shard: Optional[torch.Tensor] = None
+        self.param_state = ParamState.UNSHARDED
+        self._gather_work: Any = None
+        if stage == 3:
+            self.shard = self.flat_param[self.shard_start:self.shard_end].clone()
+            own = self.shard[: self.owned_numel]
+            self.reshard()
+        else:
+            for p, view in zip(params, slot_views(self.layout, self.flat_param)):
+                p.data = view
+            own = self.flat_param[self.own_lo:self.own_hi]
         self.master: Optional[torch.Tensor] = None
-        if self.dtype in (torch.float16, torch.bfloat16):
+        if self.dtype in (torch.float16, torch.bfloat16) and self.trainable:
             self.master = own.detach().float().clone()
             self.shard_param = nn.Parameter(self.master)
         else:
-            self.shard_param = nn.Parameter(own)  # shares storage with flat_param
+            self.shard_param = nn.Parameter(own, requires_grad=self.trainable)  # shares storage
         self.grad_buf: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
@@ -64,16 +76,57 @@ class Bucket:
     def set_state(self, new: GradState) -> None:
         self.state = transition(self.state, new, f"bucket {self.index} ({self.names[0]}...)")
 
+    # ------------------------------------------------------------------ stage 3: parameter materialization
+    def unshard(self, async_op: bool) -> None:
+        """Start the all-gather of the full parameters (stage 3); :meth:`wait_unshard` makes them usable."""
+        if self.param_state is not ParamState.SHARDED:
+            return
+        self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
+        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self._gather_work = C.all_gather(self.flat_param, self.shard, group=self.group, async_op=async_op,
+                                         tag=f"unshard_bucket{self.index}")
+
+    def wait_unshard(self) -> None:
+        if self.param_state is ParamState.SHARDED:
+            self.unshard(async_op=False)
+        if self.param_state is ParamState.UNSHARDED:
+            return
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        for p, view in zip(self.params, slot_views(self.layout, self.flat_param)):
+            p.data = view
+        self.param_state = param_transition(self.param_state, ParamState.UNSHARDED, f"bucket {self.index}")
+
+    def reshard(self) -> None:
+        """Free the full parameters; module parameters become empty placeholders (gradients stay in grad_buf)."""
+        if self.param_state is not ParamState.UNSHARDED:
+            return
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+            p.grad = None
+        self.flat_param = None
+        self.param_state = param_transition(self.param_state, ParamState.SHARDED, f"bucket {self.index}")
+
+    @property
+    def gathered_bytes(self) -> int:
+        return 0 if self.flat_param is None or self.stage != 3 else self.flat_param.numel() * self.flat_param.element_size()
+
     # ------------------------------------------------------------------ gradients
     def attach_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
         if self.grad_buf is None:
             self.grad_buf = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             self.grad_views = slot_views(self.layout, self.grad_buf)
+        if self.stage == 3 and self.param_state is not ParamState.UNSHARDED:
+            self.pending = len(self.params)
+            return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
         for p, view in zip(self.params, self.grad_views):
             g = p.grad
             if g is None:
-                view.zero_()  # the user cleared this gradient (zero_grad(set_to_none=True))
+                if self.stage != 3:  # stages 0-2: the user cleared this gradient (zero_grad(set_to_none=True))
+                    view.zero_()  # stage 3 detaches .grad at every reshard: the buffer is the truth
                 p.grad = view
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
@@ -91,7 +144,8 @@ class Bucket:
 
     def release_grads(self) -> None:
         for p in self.params:
-            p.grad = None
+            if self.stage != 3 or self.param_state is ParamState.UNSHARDED:
+                p.grad = None
         self.grad_buf, self.grad_views = None, []
 
     # ------------------------------------------------------------------ communication
@@ -126,8 +180,8 @@ class Bucket:
                 self.accum = torch.zeros(self.owned_numel, dtype=torch.float32, device=self.device)
             self.accum.add_(mine)
             mine = self.accum
-        if self.stage == 2:
-            self.release_grads()  # ZeRO-2: the full gradient is not needed past its reduce-scatter
+        if self.stage >= 2:
+            self.release_grads()  # ZeRO-2/3: the full gradient is not needed past its reduce-scatter
         if not boundary:
             self.set_state(GradState.ACCUMULATING)
             return
@@ -140,6 +194,10 @@ class Bucket:
     def launch_gather(self, async_op: bool) -> Any:
         """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2)."""
         with torch.no_grad():
+            if self.stage == 3:  # the next forward gathers; only the master needs copying into the shard
+                if self.master is not None:
+                    self.shard[: self.owned_numel].copy_(self.master)
+                return None
             if self.master is not None:
                 self.flat_param[self.own_lo:self.own_hi].copy_(self.master)
         if self.stage == 0:
@@ -179,7 +237,7 @@ class Bucket:
         self.shard_param.grad = None
         self.accum = None
         if self.grad_buf is not None:
-            if self.stage == 2:
+            if self.stage >= 2:
                 self.release_grads()
             else:
                 self.grad_buf.zero_()
@@ -194,6 +252,10 @@ class Bucket:
         aliased = shard_grad is not None and self.grad_buf is not None and \
             shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
+        if self.stage == 3:
+            return {"params": nb(self.shard), "gathered_params": nb(self.flat_param),
+                    "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": nb(self.master),
+                    "accumulators": nb(self.accum)}
         return {
             "params": nb(self.flat_param),
             "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)),

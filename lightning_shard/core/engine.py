@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -31,9 +32,22 @@ from . import collectives as C
 from .bucket import Bucket
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .state import AccumulationPolicy, GradState
+from .units import UnitSpec, plan_units
+from .zero3 import ParamShardController, Unit
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class UnitConfig:
+    """Stage 3 only: how parameters are grouped into units and when they are gathered."""
+
+    granularity: str = "zero3"  # "zero3": every module with direct parameters; "fsdp": wrap policy
+    wrap_classes: Any = None  # fsdp: module classes (or class names) that become units
+    min_params: Optional[int] = None  # fsdp: modules with at least this many parameters become units
+    reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
+    prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
 
 
 def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
@@ -48,15 +62,19 @@ class ShardEngine:
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
                  group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
-                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = False) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ShardEngine handles ZeRO stages 0, 1 and 2, got stage={stage}")
+                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
+                 units: Optional[UnitConfig] = None) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
-        policy = AccumulationPolicy(accumulation)
-        if policy is AccumulationPolicy.PER_MICRO_BATCH and stage != 2:
-            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2); stage {stage} "
+        policy = AccumulationPolicy.parse(accumulation)
+        if policy is AccumulationPolicy.PER_MICRO_BATCH and stage < 2:
+            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2 or 3); stage {stage} "
                              "holds full gradients anyway, so use accumulation='defer'.")
+        if policy is AccumulationPolicy.KEEP_PARAMS and stage != 3:
+            raise ValueError(f"accumulation='keep_params' is about sharded parameters (stage 3); stage {stage} "
+                             "never frees its parameters: use accumulation='defer'.")
         if not optimizers:
             raise ValueError("no optimizer to shard: configure_optimizers() returned nothing")
         self.module, self.stage, self.group, self.policy = module, stage, group, policy
@@ -69,11 +87,21 @@ class ShardEngine:
             validate_optimizer(opt, allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
         sync_module_states(self.module, self.group)
-        self.buckets = self._build_buckets()
+        owner = self._param_owners()
+        self.controller: Optional[ParamShardController] = None
+        self.units: list[Unit] = []
+        if stage == 3:
+            cfg = units or UnitConfig()
+            specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params)
+            self.buckets, self.units = self._build_unit_buckets(specs, owner)
+            self.controller = ParamShardController(self, self.units, cfg.reshard_after_forward, cfg.prefetch_depth)
+        else:
+            self.buckets = self._build_flat_buckets(owner)
+        self._comm_buckets = [b for b in self.buckets if b.trainable]
         for binding in self.bindings:
             binding.rebind(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
-                       for b in self.buckets for i, p in enumerate(b.params)]
+                       for b in self._comm_buckets for i, p in enumerate(b.params)]
         self._require_sync = True
         self._comm_this_backward = False
         self._boundary_this_backward = False
@@ -81,7 +109,8 @@ class ShardEngine:
         self.last_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
-    def _build_buckets(self) -> list[Bucket]:
+    def _param_owners(self) -> dict[int, tuple[int, int]]:
+        """``id(param) -> (optimizer index, param group index)``, validating the optimizers' parameters."""
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
         owner: dict[int, tuple[int, int]] = {}
         for binding in self.bindings:
@@ -95,10 +124,40 @@ class ShardEngine:
                     if id(p) in owner:
                         raise ValueError(f"parameter {names[id(p)]} appears in two optimizers or param groups")
                     owner[id(p)] = (binding.index, gi)
-        trainable = [p for p in self.module.parameters() if p.requires_grad and id(p) in owner]
-        if not trainable:
+        if not any(p.requires_grad and id(p) in owner for p in self.module.parameters()):
             raise ValueError("the model has no trainable parameter that an optimizer updates: nothing to shard. "
                              "Check requires_grad and the parameters passed to the optimizer.")
+        return owner
+
+    def _build_unit_buckets(self, specs: list[UnitSpec], owner: dict[int, tuple[int, int]]
+                            ) -> tuple[list[Bucket], list[Unit]]:
+        """Stage 3: one flat bucket per (unit, optimizer group or frozen, dtype). Bucket order, which is the
+        reduction launch order, is reverse unit order: roughly the order backward produces gradients."""
+        keyed: list[list[tuple[tuple, list[nn.Parameter], list[str]]]] = []
+        for spec in specs:
+            groups: dict[tuple, tuple[list[nn.Parameter], list[str]]] = {}
+            for p, n in zip(spec.params, spec.names):
+                key = (owner.get(id(p)) if p.requires_grad else None, p.dtype, p.device)
+                groups.setdefault(key, ([], []))
+                groups[key][0].append(p)
+                groups[key][1].append(n)
+            keyed.append([(k, ps, ns) for k, (ps, ns) in groups.items()])
+        buckets: list[Bucket] = []
+        per_unit: dict[int, list[Bucket]] = {}
+        for ui in reversed(range(len(specs))):
+            for key, ps, ns in keyed[ui]:
+                opt_group = key[0]
+                b = Bucket(len(buckets), ps, ns, opt_group[0] if opt_group else None,
+                           opt_group[1] if opt_group else None, stage=3, rank=self.rank, world=self.world,
+                           group=self.group)
+                buckets.append(b)
+                per_unit.setdefault(ui, []).append(b)
+        units = [Unit(ui, spec, per_unit[ui]) for ui, spec in enumerate(specs)]
+        return buckets, units
+
+    def _build_flat_buckets(self, owner: dict[int, tuple[int, int]]) -> list[Bucket]:
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
+        trainable = [p for p in self.module.parameters() if p.requires_grad and id(p) in owner]
         # Reverse registration order approximates the order in which backward produces gradients (as DDP).
         open_buckets: dict[tuple, list[nn.Parameter]] = {}
         sizes: dict[tuple, int] = {}
@@ -120,6 +179,8 @@ class ShardEngine:
             if bucket.grad_buf is None:  # a backward that did not go through pre_backward
                 return
             bucket.adopt_grad(i)
+            if bucket.unit is not None and bucket.unit.pending == 0:
+                self.controller.on_grads_ready(bucket.unit)
             if self._comm_this_backward and self.overlap and bucket.pending == 0:
                 self._launch_in_order(force=False)
         return hook
@@ -142,29 +203,34 @@ class ShardEngine:
         self._boundary_this_backward = self._require_sync
         self._comm_this_backward = self.communicates_on_next_backward()
         self._next_launch = 0
-        for b in self.buckets:
+        for b in self._comm_buckets:
             if b.state is GradState.REDUCED:
                 raise RuntimeError(
                     f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
                     "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
                     "backward, or wrap earlier micro-batches in strategy.block_backward_sync()/toggle_model(sync_grad=False)."
                 )
-            b.attach_grads()
+            if self.stage == 3:  # parameters are sharded now: views attach when the unit is gathered
+                b.pending = len(b.params)
+            else:
+                b.attach_grads()
 
     def post_backward(self) -> None:
         if not self._comm_this_backward:
-            for b in self.buckets:
+            for b in self._comm_buckets:
                 b.set_state(GradState.ACCUMULATING)
-            return
-        self._launch_in_order(force=True)
-        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
-        for b in self.buckets:
-            b.finish_reduce(self._boundary_this_backward, accumulate)
-        self._comm_this_backward = False
+        else:
+            self._launch_in_order(force=True)
+            accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+            for b in self._comm_buckets:
+                b.finish_reduce(self._boundary_this_backward, accumulate)
+            self._comm_this_backward = False
+        if self.controller is not None:
+            self.controller.end_backward()
 
     def _launch_in_order(self, force: bool) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
+        while self._next_launch < len(self._comm_buckets):
+            b = self._comm_buckets[self._next_launch]
             if not force and b.pending > 0:
                 return
             b.launch_reduce(self._reduce_dtype_for(b), async_op=True)
@@ -192,6 +258,8 @@ class ShardEngine:
                 b.finish_reduce(True, accumulate)
         if self.find_unused_parameters:
             self._protect_unused(optimizer)
+        if self.controller is not None:
+            self.controller.before_step()
 
     def _protect_unused(self, optimizer: torch.optim.Optimizer) -> None:
         """Parameters that got no gradient on any rank in this window are left untouched by the step (as torch
@@ -317,7 +385,7 @@ class ShardEngine:
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""
-        rep = {"params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0}
+        rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0}
         bucketed = set()
         for b in self.buckets:
             for k, v in b.tensor_bytes().items():
@@ -337,6 +405,8 @@ class ShardEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.controller is not None:
+            self.controller.remove_hooks()
 
 
 def sync_module_states(module: nn.Module, group: Any) -> None:

@@ -33,8 +33,37 @@ def transition(current: GradState, new: GradState, what: str) -> GradState:
     return new
 
 
+class ParamState(enum.Enum):
+    """Whether a ZeRO-3/FSDP unit's parameters are materialized (stage 3 only)."""
+
+    SHARDED = "sharded"  # only the rank's shard exists; module parameters are empty placeholders
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight (e.g. a prefetch)
+    UNSHARDED = "unsharded"  # module parameters are views into the full buffer
+
+
+_PARAM_ALLOWED = {
+    ParamState.SHARDED: {ParamState.GATHERING},
+    ParamState.GATHERING: {ParamState.UNSHARDED},
+    ParamState.UNSHARDED: {ParamState.SHARDED},
+}
+
+
+def param_transition(current: ParamState, new: ParamState, what: str) -> ParamState:
+    if new not in _PARAM_ALLOWED[current]:
+        raise RuntimeError(f"lightning_shard internal error: parameters of {what} cannot go from {current.value} "
+                           f"to {new.value}. Please report this with the traceback.")
+    return new
+
+
 class AccumulationPolicy(str, enum.Enum):
     """What a shard unit communicates on micro-batches that are not an accumulation boundary."""
 
-    DEFER = "defer"  # nothing; full gradients are held until the boundary
+    DEFER = "defer"  # nothing; full gradients are held until the boundary (ZeRO-3: "keep_unsharded_grads")
     PER_MICRO_BATCH = "per_micro_batch"  # reduce-scatter into an fp32 shard accumulator, free full grads
+    KEEP_PARAMS = "keep_params"  # ZeRO-3: parameters and full gradients stay materialized across the window
+
+    @classmethod
+    def parse(cls, value: str) -> "AccumulationPolicy":
+        if value == "keep_unsharded_grads":
+            return cls.DEFER
+        return cls(value)
