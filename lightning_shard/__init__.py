@@ -3,7 +3,7 @@
 Importing the package registers the strategy names (``Trainer(strategy="zero2")``).
 """
 
-from .strategies import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
+from .strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy, ZeroStrategy
 
 __version__ = "0.1.0"
-__all__ = ["Zero0Strategy", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy", "__version__"]
+__all__ = ["FSDPShardStrategy", "Zero3Strategy", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy", "__version__"]

@@ -18,7 +18,7 @@ def test_unknown_knob_names_the_close_match():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(stage=3), "stage must be 0, 1 or 2"),
+    (dict(stage=3), "use Zero3Strategy or FSDPShardStrategy"),
     (dict(accumulation="sometimes"), "accumulation must be one of"),
     (dict(stage=1, accumulation="per_micro_batch"), "needs sharded gradients"),
     (dict(bucket_mb=0), "bucket_mb must be a positive"),

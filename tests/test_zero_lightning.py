@@ -8,73 +8,16 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any, Optional
+from typing import Optional
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_shard.core import collectives as C
-from lightning_shard.strategies import ZeroStrategy
 from tests.harness import World
-from tests.zoo import MICRO, RankMicroBatches, ZooModule, dataset, max_diff, params_of, reference_fit
+from tests.scenarios import SMALL_BUCKETS, STEPS, fit_zero
+from tests.zoo import ZooModule, max_diff, params_of, reference_fit
 
-STEPS = 5
 TOL = 1e-5
-SMALL_BUCKETS = 0.0005  # MiB: several buckets even for this tiny model
-
-
-# ------------------------------------------------------------------------------------------ worker side
-class Recorder(L.Callback):
-    """Ledger entries per training micro-batch."""
-
-    def __init__(self) -> None:
-        self.per_batch: list[list[tuple[str, str, float]]] = []
-        self._mark = 0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._mark = C.LEDGER.mark()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.per_batch.append([(e.op, e.tag, e.wire_bytes) for e in C.LEDGER.since(self._mark)])
-
-
-def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimizer: str = "sgd",
-             clip: Optional[float] = None, precision: str = "32-true", manual: bool = False,
-             bucket_mb: float = SMALL_BUCKETS, bn: bool = True, find_unused: bool = True,
-             save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
-             data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None) -> dict[str, Any]:
-    world, rank = C.get_world_size(), C.get_rank()
-    L.seed_everything(0, verbose=False)
-    module = ZooModule(optimizer, bn=bn, manual=manual, acc=acc, unused=unused)
-    recorder = Recorder()
-    callbacks: list[L.Callback] = [recorder]
-    if ckpt_dir:  # Lightning's default full checkpoint, every 3 optimizer steps
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
-    strategy = ZeroStrategy(stage=stage, accumulation=accumulation, bucket_mb=bucket_mb,
-                            find_unused_parameters=find_unused)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                        accumulate_grad_batches=1 if manual else acc, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=clip, precision=precision, callbacks=callbacks)
-    data = dataset(data_steps or steps, acc, world)
-    loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
-    trainer.fit(module, loader, ckpt_path=resume_from)
-    if save_to:
-        trainer.save_checkpoint(save_to)
-    engine = trainer.strategy.engine
-    opt = trainer.optimizers[0]
-    return {
-        "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "norms": module.grad_norms,
-        "per_batch": recorder.per_batch,
-        "memory": engine.memory_report(),
-        "buckets": [(b.layout.numel, b.layout.padded_numel, b.group_index) for b in engine.buckets],
-        "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),
-        "policy": strategy.accumulation_policy,
-        "opt_state": trainer.strategy.optimizer_state(opt) if save_to else None,
-    }
 
 
 # ------------------------------------------------------------------------------------------ test side

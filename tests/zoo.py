@@ -30,7 +30,9 @@ class ZooNet(nn.Module):
         super().__init__()
         self.lin1 = nn.Linear(FEAT, HID)  # 104 parameters: not divisible by 3, 8, ...
         self.bn = nn.BatchNorm1d(HID) if bn else nn.Identity()
-        self.emb = nn.Embedding(VOCAB, EMB)  # also the output head (tied)
+        self.emb = nn.Embedding(VOCAB, EMB)
+        self.head = nn.Linear(EMB, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: embedding = output head
         self.lin2 = nn.Linear(HID + EMB, EMB)
         self.frozen = nn.Linear(EMB, EMB)
         self.frozen.requires_grad_(False)
@@ -42,7 +44,7 @@ class ZooNet(nn.Module):
         z = z + self.frozen(z)
         if use_extra:
             z = z + self.extra(torch.tanh(z))
-        return z @ self.emb.weight.t()
+        return self.head(z)
 
 
 class ZooModule(L.LightningModule):

@@ -347,40 +347,54 @@ class ShardEngine:
             out.setdefault(id(p), []).append(name)
         return out
 
-    def gather_masters(self) -> dict[str, torch.Tensor]:
-        """Full fp32 master weights by parameter name (every alias of a tied weight). Collective."""
+    def gather_full(self) -> dict[str, torch.Tensor]:
+        """Full weights by parameter name (every alias of a tied weight) that the module itself cannot show:
+        fp32 masters of half-precision parameters, and every stage-3 parameter. Collective."""
         aliases, out = self._aliases(), {}
         for b in self.buckets:
-            if b.master is None:
-                continue
+            if b.master is None and b.stage != 3:
+                continue  # stages 0-2 without masters: the module's own parameters are full already
+            own = b.master if b.master is not None else b.shard[: b.owned_numel]
             if b.stage == 0:
-                full = b.master
+                full = own
             else:
-                shard = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.device)
-                shard[: b.owned_numel].copy_(b.master)
-                full = torch.empty(b.layout.padded_numel, dtype=torch.float32, device=b.device)
+                shard = torch.zeros(b.layout.shard_numel, dtype=own.dtype, device=b.device)
+                shard[: b.owned_numel].copy_(own)
+                full = torch.empty(b.layout.padded_numel, dtype=own.dtype, device=b.device)
                 C.all_gather(full, shard, group=self.group, tag="checkpoint")
             for slot, p in zip(b.layout.slots, b.params):
-                value = full[slot.offset - (b.own_lo if b.stage == 0 else 0):][: slot.numel].view(slot.shape).clone()
+                value = full[slot.offset:slot.end].view(slot.shape).clone()
                 for name in aliases[id(p)]:
                     out[name] = value
         return out
 
-    def load_masters(self, state: dict[str, torch.Tensor]) -> None:
-        """Initialise fp32 masters from full fp32 tensors by name (e.g. a checkpoint's state_dict)."""
-        aliases = self._aliases()
+    def load_full(self, state: dict[str, torch.Tensor], masters_only: bool = False) -> list[str]:
+        """Load full tensors by name into shards (and fp32 masters). Returns the parameter names not found.
+
+        ``masters_only``: the module already holds these weights (restored before setup, stages 0-2); only
+        initialise fp32 masters from fp32 tensors so their precision survives a resume."""
+        aliases, missing = self._aliases(), []
         for b in self.buckets:
-            if b.master is None:
+            if masters_only and b.master is None:
                 continue
-            flat = b.master.new_zeros(b.layout.padded_numel)
-            found = 0
+            flat = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)
+            all_fp32, found = True, 0
             for slot, p in zip(b.layout.slots, b.params):
                 src = next((state[n] for n in aliases[id(p)] if n in state), None)
-                if src is not None and src.dtype == torch.float32 and src.numel() == slot.numel:
-                    flat[slot.offset:slot.end].copy_(src.reshape(-1))
-                    found += 1
-            if found == len(b.params):
-                b.master.copy_(flat[b.own_lo:b.own_hi])
+                if src is None or src.numel() != slot.numel:
+                    missing.append(aliases[id(p)][0])
+                    continue
+                all_fp32 &= src.dtype == torch.float32
+                flat[slot.offset:slot.end].copy_(src.reshape(-1))
+                found += 1
+            if found != len(b.params):
+                continue
+            with torch.no_grad():
+                if b.master is not None and (all_fp32 or not masters_only):
+                    b.master.copy_(flat[b.own_lo:b.own_hi])
+                if not masters_only and b.stage == 3:
+                    b.shard.copy_(flat[b.shard_start:b.shard_end])
+        return missing
 
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:

@@ -46,10 +46,24 @@ def _matches(module: nn.Module, classes: tuple) -> bool:
     return False
 
 
+def auto_wrap_classes(root: nn.Module) -> tuple[type, ...]:
+    """``wrap_classes="auto"``: the classes of modules held in an ``nn.ModuleList`` (transformer blocks)."""
+    found: list[type] = []
+    for m in root.modules():
+        if isinstance(m, nn.ModuleList):
+            for child in m:
+                if any(True for _ in child.parameters()) and type(child) not in found:
+                    found.append(type(child))
+    if not found:
+        raise ValueError("wrap_classes='auto' found no nn.ModuleList of blocks in this model; pass wrap_classes=[...] "
+                         "(your block class) or min_params=N")
+    return tuple(found)
+
+
 def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params: Optional[int] = None
                ) -> list[UnitSpec]:
     """Units in forward-ish (registration) order, the root unit first if it holds anything."""
-    classes = _classes(wrap_classes)
+    classes = auto_wrap_classes(root) if wrap_classes == "auto" else _classes(wrap_classes)
     if granularity not in ("zero3", "fsdp"):
         raise ValueError(f"unit granularity must be 'zero3' or 'fsdp', got {granularity!r}")
     if granularity == "fsdp" and not classes and min_params is None:

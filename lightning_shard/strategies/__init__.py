@@ -4,7 +4,19 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .precision import ShardedPrecision
 from .zero import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
+from .zero3 import FSDPShardStrategy, Zero3Strategy
 
-ZeroStrategy.register_strategies(StrategyRegistry)
+REGISTERED = {
+    "zero0": (Zero0Strategy, "data parallel through the sharding engine (the honest baseline)", {}),
+    "zero1": (Zero1Strategy, "ZeRO-1: sharded optimizer state", {}),
+    "zero2": (Zero2Strategy, "ZeRO-2: sharded optimizer state and gradients", {}),
+    "zero3": (Zero3Strategy, "ZeRO-3: optimizer state, gradients and parameters sharded per module", {}),
+    "fsdp_shard": (FSDPShardStrategy, "FSDP-style units: blocks held in nn.ModuleLists become units",
+                   {"wrap_classes": "auto"}),
+}
+for _name, (_cls, _what, _params) in REGISTERED.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _cls, description=f"lightning_shard {_what}", **_params)
 
-__all__ = ["ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
+__all__ = ["FSDPShardStrategy", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
+           "Zero3Strategy", "ZeroStrategy"]

@@ -46,10 +46,10 @@ from .precision import ShardedPrecision
 
 log = logging.getLogger(__name__)
 
-KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
+BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
          "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "accelerator", "parallel_devices",
          "cluster_environment", "checkpoint_io", "precision_plugin")
-ACCUMULATION = ("auto", "defer", "per_micro_batch")
+ACCUMULATION = ("auto", "defer", "per_micro_batch")  # zero0/1/2; zero3 adds its own (strategies/zero3.py)
 START_METHODS = ("popen", "fork", "spawn", "forkserver")
 
 
@@ -57,6 +57,9 @@ class ZeroStrategy(ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
+    KNOBS: tuple[str, ...] = BASE_KNOBS
+    STAGES: tuple[int, ...] = (0, 1, 2)
+    ACCUMULATION: tuple[str, ...] = ACCUMULATION
 
     def __init__(self, stage: int = 2, accumulation: str = "auto", bucket_mb: float = 25.0,
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
@@ -68,15 +71,16 @@ class ZeroStrategy(ParallelStrategy):
         if unknown:
             hints = []
             for k in unknown:
-                close = difflib.get_close_matches(k, KNOBS, n=1)
+                close = difflib.get_close_matches(k, self.KNOBS, n=1)
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
-                            f"{', '.join(KNOBS)}")
-        if stage not in (0, 1, 2):
-            raise ValueError(f"stage must be 0, 1 or 2 for {type(self).__name__}, got {stage!r}")
-        if accumulation not in ACCUMULATION:
-            raise ValueError(f"accumulation must be one of {ACCUMULATION}, got {accumulation!r}")
-        if accumulation == "per_micro_batch" and stage != 2:
+                            f"{', '.join(self.KNOBS)}")
+        if stage not in self.STAGES:
+            raise ValueError(f"stage must be one of {self.STAGES} for {type(self).__name__}, got {stage!r}"
+                             + ("; use Zero3Strategy or FSDPShardStrategy for stage 3" if stage == 3 else ""))
+        if accumulation not in self.ACCUMULATION:
+            raise ValueError(f"accumulation must be one of {self.ACCUMULATION}, got {accumulation!r}")
+        if accumulation == "per_micro_batch" and stage < 2:
             raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (zero2); zero{stage} holds "
                              "full gradients anyway: use accumulation='defer' or 'auto'.")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -184,21 +188,25 @@ class ZeroStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             policy, reason = self._resolve_accumulation(trainer)
             self.accumulation_policy, self.accumulation_reason = policy, reason
-            rank_zero_info(f"lightning_shard zero{self.stage}: accumulation={policy} ({reason})")
+            rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
             self.engine = ShardEngine(self.model, self.optimizers, stage=self.stage, bucket_mb=self.bucket_mb,
                                       reduce_dtype=self.reduce_dtype, accumulation=policy, overlap=self.overlap,
                                       broadcast_buffers=self.broadcast_buffers,
                                       allow_custom_optimizer=self.allow_custom_optimizer,
-                                      find_unused_parameters=self.find_unused_parameters)
+                                      find_unused_parameters=self.find_unused_parameters,
+                                      units=self._unit_config())
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
-                self.engine.load_masters(self._masters_from_checkpoint)
+                self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
                 self._masters_from_checkpoint = {}
         else:
             sync_module_states(self.model, None)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _unit_config(self) -> Any:
+        return None  # stage 3 strategies return a UnitConfig
 
     def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
         acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
@@ -266,7 +274,7 @@ class ZeroStrategy(ParallelStrategy):
         """Full weights; with half-precision parameters the fp32 masters are saved instead (collective)."""
         state = self.lightning_module.state_dict()
         if self.engine is not None:
-            state.update(self.engine.gather_masters())
+            state.update(self.engine.gather_full())
         return state
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -277,7 +285,7 @@ class ZeroStrategy(ParallelStrategy):
         names = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
         masters = {n: v for n, v in state.items() if n in names and v.dtype == torch.float32}
         if self.engine is not None:
-            self.engine.load_masters(masters)
+            self.engine.load_full(masters, masters_only=True)
         else:
             self._masters_from_checkpoint = masters
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -302,14 +310,6 @@ class ZeroStrategy(ParallelStrategy):
             self.engine.remove_hooks()
         super().teardown()
 
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        for stage, what in ((0, "data parallel through the sharding engine (baseline)"),
-                            (1, "ZeRO-1: sharded optimizer state"),
-                            (2, "ZeRO-2: sharded optimizer state and gradients")):
-            name = f"zero{stage}"
-            if name not in registry:
-                registry.register(name, STAGE_CLASSES[stage], description=f"lightning_shard {what}")
 
 
 class Zero0Strategy(ZeroStrategy):
@@ -339,4 +339,3 @@ class Zero2Strategy(ZeroStrategy):
         super().__init__(stage=kwargs.pop("stage", 2), **kwargs)
 
 
-STAGE_CLASSES = {0: Zero0Strategy, 1: Zero1Strategy, 2: Zero2Strategy}

@@ -1,0 +1,157 @@
+"""Lightning strategies ``zero3`` and ``fsdp_shard``: parameters sharded too (stage 3 of the same engine).
+
+``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity).
+``fsdp_shard``: units chosen by a wrap policy, e.g. ``FSDPShardStrategy(wrap_classes=["Block"])``.
+
+Knobs, on top of ZeroStrategy's (``bucket_mb`` has no effect here: units are the buckets):
+
+``accumulation``  ``"per_micro_batch"`` (reduce-scatter every micro-batch into an fp32 shard accumulator),
+                  ``"keep_unsharded_grads"`` (hold full gradients over the window, one reduce-scatter per step),
+                  ``"keep_params"`` (parameters stay gathered over the window: one all-gather and one
+                  reduce-scatter per step), or ``"auto"`` (default; picks one at setup and logs why).
+``reshard_after_forward``  free a unit's full parameters after its forward (default True, full shard);
+                  False keeps them until its backward (ZeRO-2-like traffic, more memory).
+``prefetch_depth``  units all-gathered ahead of use, in forward and in backward (default 1; 0 disables).
+``wrap_classes`` / ``min_params``  (fsdp_shard) which modules become units: classes or class names, or a
+                  minimum parameter count.
+``param_init_fn``  deferred init (``configure_model``): called as ``fn(module)`` to initialise a module's
+                  own parameters; default: the module's ``reset_parameters()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+from ..core.engine import UnitConfig
+from .zero import BASE_KNOBS, ZeroStrategy
+
+ZERO3_KNOBS = BASE_KNOBS + ("reshard_after_forward", "prefetch_depth", "param_init_fn")
+ACCUMULATION3 = ("auto", "per_micro_batch", "keep_unsharded_grads", "keep_params")
+
+
+class _GatheringLauncher(_MultiProcessingLauncher):
+    """fork/spawn launcher whose hand-back to the parent carries full (gathered) weights, not empty shards."""
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        module = trainer.lightning_module
+        full = trainer.strategy.lightning_module_state_dict()  # collective: every rank takes part
+        module.state_dict = lambda *args, **kwargs: full
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+class Zero3Strategy(ZeroStrategy):
+    """ZeRO-3: optimizer state, gradients and parameters sharded; every module with parameters is a unit."""
+
+    strategy_name = "zero3"
+    KNOBS = ZERO3_KNOBS
+    STAGES = (3,)
+    ACCUMULATION = ACCUMULATION3
+    GRANULARITY = "zero3"
+
+    def __init__(self, reshard_after_forward: bool = True, prefetch_depth: int = 1,
+                 param_init_fn: Optional[Callable] = None, **kwargs: Any) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True (free parameters after forward) or False (keep "
+                             f"them until backward), got {reshard_after_forward!r}")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an integer >= 0 (units gathered ahead), got {prefetch_depth!r}")
+        self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
+        self.param_init_fn = param_init_fn
+        kwargs.setdefault("stage", 3)
+        super().__init__(**kwargs)
+
+    def _unit_config(self) -> UnitConfig:
+        return UnitConfig(self.GRANULARITY, reshard_after_forward=self.reshard_after_forward,
+                          prefetch_depth=self.prefetch_depth)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # weights load into the shards, which exist only after setup
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _GatheringLauncher(self, start_method=self._start_method)
+
+    def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
+        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        if self.accumulation != "auto":
+            return self.accumulation, "set explicitly"
+        if acc == 1:
+            return "per_micro_batch", "accumulate_grad_batches=1: every micro-batch is a boundary"
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        if self.root_device.type == "cuda":
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(self.root_device)
+            if grad_bytes > 0.25 * free:
+                return "per_micro_batch", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) exceed 25% of free device "
+                                           f"memory: keep only gradient shards, {acc} reduce-scatters per step")
+        return "keep_unsharded_grads", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) fit: one reduce-scatter "
+                                        f"per step instead of {acc}")
+
+    # ------------------------------------------------------------------ the root unit around each step
+    def _around_step(self, step: Callable, *args: Any, **kwargs: Any) -> Any:
+        controller = self.engine.controller if self.engine is not None else None
+        if controller is None:
+            return step(*args, **kwargs)
+        controller.step_pre_forward()
+        out = step(*args, **kwargs)
+        controller.step_post_forward(out)
+        return out
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._around_step(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._around_step(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._around_step(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._around_step(super().predict_step, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints: full weights, gathered
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        state = checkpoint["state_dict"]
+        missing = self.engine.load_full(state)
+        sharded = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
+        rest = {k: v for k, v in state.items() if k not in sharded}
+        result = self.lightning_module.load_state_dict(rest, strict=False)  # buffers
+        if strict:
+            unexpected = [k for k in result.unexpected_keys]
+            missing_buffers = [k for k in result.missing_keys if k not in sharded]
+            if missing or unexpected or missing_buffers:
+                raise ValueError(f"checkpoint does not match the model: missing {missing + missing_buffers}, "
+                                 f"unexpected {unexpected}. Was it written for another model?")
+
+
+class FSDPShardStrategy(Zero3Strategy):
+    """FSDP-style: units chosen by a wrap policy (module classes or a minimum parameter count)."""
+
+    strategy_name = "fsdp_shard"
+    KNOBS = ZERO3_KNOBS + ("wrap_classes", "min_params")
+    GRANULARITY = "fsdp"
+
+    def __init__(self, wrap_classes: Any = None, min_params: Optional[int] = None, **kwargs: Any) -> None:
+        if wrap_classes is None and min_params is None:
+            raise ValueError("fsdp_shard needs a wrap policy: wrap_classes=[YourBlock] (classes or class names, e.g. "
+                             "the transformer block) or min_params=N; or use strategy zero3 for per-module units")
+        if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
+            raise ValueError(f"min_params must be a positive integer, got {min_params!r}")
+        self.wrap_classes, self.min_params = wrap_classes, min_params
+        super().__init__(**kwargs)
+
+    def _unit_config(self) -> UnitConfig:
+        cfg = super()._unit_config()
+        cfg.wrap_classes = list(self.wrap_classes) if isinstance(self.wrap_classes, (list, tuple)) else self.wrap_classes
+        cfg.min_params = self.min_params
+        return cfg
