@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shard.core import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy, ZeroStrategy
-from tests.zoo import RankMicroBatches, ZooModule, dataset
+from tests.zoo import RankMicroBatches, dataset, make_module
 
 STEPS = 5
 SMALL_BUCKETS = 0.0005  # MiB: several buckets even for this tiny model
@@ -20,6 +20,8 @@ class Recorder(L.Callback):
 
     def __init__(self) -> None:
         self.per_batch: list[list[tuple[str, str, float]]] = []
+        self.step_memory: list[dict[str, int]] = []
+        self.record_events = False
         self._mark = 0
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -27,6 +29,14 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.per_batch.append([(e.op, e.tag, e.wire_bytes) for e in C.LEDGER.since(self._mark)])
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        self.step_memory.append(trainer.strategy.engine.memory_report())
+
+    def on_train_start(self, trainer: Any, *args: Any) -> None:
+        controller = trainer.strategy.engine.controller
+        if controller is not None and self.record_events:
+            controller.record_events = True
 
 
 def make_strategy(stage: int, accumulation: str, bucket_mb: float, find_unused: bool, **extra: Any):
@@ -42,11 +52,14 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
              bucket_mb: float = SMALL_BUCKETS, bn: bool = True, find_unused: bool = True,
              save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
-             strategy_kwargs: Optional[dict] = None) -> dict[str, Any]:
+             strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
+             delay_gather_s: float = 0.0) -> dict[str, Any]:
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
-    module = ZooModule(optimizer, bn=bn, manual=manual, acc=acc, unused=unused)
+    module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused)
     recorder = Recorder()
+    recorder.record_events = record_events
+    C.set_artificial_delay("all_gather", delay_gather_s)
     callbacks: list[L.Callback] = [recorder]
     if ckpt_dir:  # Lightning's default full checkpoint, every 3 optimizer steps
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
@@ -55,9 +68,12 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
                         accumulate_grad_batches=1 if manual else acc, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=clip, precision=precision, callbacks=callbacks)
-    data = dataset(data_steps or steps, acc, world)
+    data = dataset(data_steps or steps, acc, world, model)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
-    trainer.fit(module, loader, ckpt_path=resume_from)
+    try:
+        trainer.fit(module, loader, ckpt_path=resume_from)
+    finally:
+        C.set_artificial_delay("all_gather", 0.0)
     if save_to:
         trainer.save_checkpoint(save_to)
     engine = trainer.strategy.engine
@@ -79,6 +95,11 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "unit_buckets": [len(u.buckets) for u in engine.units],
         "unit_bytes": [u.full_bytes for u in engine.units],
         "peak_gathered": engine.controller.peak_gathered_bytes if engine.controller else 0,
+        "root_bytes": engine.controller.root.full_bytes if engine.controller and engine.controller.root else 0,
+        "events": engine.controller.events if engine.controller else [],
+        "step_memory": recorder.step_memory,
+        "bucket_trainable": [b.trainable for b in engine.buckets],
+        "numel_trainable": sum(b.layout.numel for b in engine.buckets if b.trainable),
     }
 
 

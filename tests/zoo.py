@@ -97,9 +97,45 @@ class ZooModule(L.LightningModule):
             self.grad_norms.append(engine.last_grad_norm)
 
 
-def dataset(steps: int, acc: int, world: int) -> TensorDataset:
+class TinyLMModule(L.LightningModule):
+    """A 2-block GPT (recipes/gpt.py) whose ``Block``s are the FSDP wrap units; tied embedding and head."""
+
+    SEQ = 8
+
+    def __init__(self, optimizer: str = "sgd", **_: Any) -> None:
+        super().__init__()
+        from recipes.gpt import GPT
+
+        torch.manual_seed(1234)
+        self.model = GPT(vocab_size=VOCAB, block_size=self.SEQ, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+        self.optimizer_name = optimizer
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}]
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(groups, lr=0.01, eps=1e-6)
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+    configure_gradient_clipping = ZooModule.configure_gradient_clipping
+
+
+def make_module(model: str = "zoo", **kwargs: Any) -> L.LightningModule:
+    return TinyLMModule(**kwargs) if model == "tiny_lm" else ZooModule(**kwargs)
+
+
+def dataset(steps: int, acc: int, world: int, model: str = "zoo") -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     n = steps * acc * world * MICRO
+    if model == "tiny_lm":
+        return TensorDataset(torch.randint(0, VOCAB, (n, TinyLMModule.SEQ + 1), generator=g))
     return TensorDataset(torch.randn(n, FEAT, generator=g), torch.randint(0, VOCAB, (n,), generator=g),
                          torch.randint(0, VOCAB, (n,), generator=g))
 
@@ -122,14 +158,14 @@ class RankMicroBatches(Sampler):
 
 
 def reference_fit(steps: int, acc: int, world: int, optimizer: str = "sgd", clip: Optional[float] = None,
-                  precision: str = "32-true", bn: bool = True, unused: bool = True
+                  precision: str = "32-true", bn: bool = True, unused: bool = True, model: str = "zoo"
                   ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single process, same global batch per optimizer step."""
-    module = ZooModule(optimizer, bn, unused=unused)
+    module = make_module(model, optimizer=optimizer, bn=bn, unused=unused)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=acc * world,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=clip, precision=precision)
-    trainer.fit(module, DataLoader(dataset(steps, acc, world), batch_size=MICRO, shuffle=False))
+    trainer.fit(module, DataLoader(dataset(steps, acc, world, model), batch_size=MICRO, shuffle=False))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, module.grad_norms
 
 

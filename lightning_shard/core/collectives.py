@@ -137,6 +137,42 @@ def set_before_issue_hook(fn: Optional[Callable[[str, str], None]]) -> None:
     _before_issue = fn
 
 
+# Test hook: an artificial latency per op ("all_gather": 0.05) that async work honours at wait() time, so
+# that tests can show prefetching hides it. Never set in production code.
+_delays: dict[str, float] = {}
+
+
+def set_artificial_delay(op: str, seconds: float) -> None:
+    if seconds:
+        _delays[op] = seconds
+    else:
+        _delays.pop(op, None)
+
+
+class _DelayedWork:
+    def __init__(self, work: Any, ready_at: float) -> None:
+        self._work, self._ready_at = work, ready_at
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+        time.sleep(max(0.0, self._ready_at - time.monotonic()))
+        return True
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self._ready_at and (self._work is None or self._work.is_completed())
+
+
+def _delayed(op: str, work: Any, async_op: bool) -> Any:
+    delay = _delays.get(op)
+    if not delay:
+        return work
+    if async_op:
+        return _DelayedWork(work, time.monotonic() + delay)
+    time.sleep(delay)
+    return work
+
+
 # ---------------------------------------------------------------------------------------------- groups
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -205,7 +241,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe."""
     LEDGER.record("all_gather", group, output, tag)
     _issue("all_gather", tag)
-    return _ag_impl(output, input, group=group, async_op=async_op)
+    return _delayed("all_gather", _ag_impl(output, input, group=group, async_op=async_op), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False, tag: str = ""):

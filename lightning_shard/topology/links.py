@@ -49,6 +49,7 @@ PCIE_TOKENS = {
     "SOC": LinkClass.CROSS_SOCKET,
 }
 NV_TOKEN = re.compile(r"^NV(\d{1,2})$")  # NV# = "a bonded set of # NVLinks" (nvidia-smi legend)
+NVS_TOKEN = re.compile(r"^NVS(\d{1,2})$")  # ours, not nvidia-smi's: # NVLinks known to go through NVSwitch
 
 # --- NVLink: GB/s per direction per link, by generation -------------------------------------------
 # NVIDIA NVLink page (nvidia.com/en-us/data-center/nvlink) and the GPU datasheets:
@@ -152,7 +153,8 @@ class Fabric:
 def classify_token(token: str) -> tuple[LinkClass, int] | None:
     """The class and NVLink count of one topo -m cell, or None for a token outside the vocabulary.
 
-    NV# cells come back as NVLINK; whether the fabric is switched is decided on the whole matrix.
+    NV# cells come back as NVLINK; whether the fabric is switched is decided on the whole matrix. NVS#
+    (detection through NVML, presets) is a switched bundle of # links.
     """
     if token == "X":
         return LinkClass.SELF, 0
@@ -161,6 +163,9 @@ def classify_token(token: str) -> tuple[LinkClass, int] | None:
     match = NV_TOKEN.match(token)
     if match and int(match.group(1)) > 0:
         return LinkClass.NVLINK, int(match.group(1))
+    match = NVS_TOKEN.match(token)
+    if match and int(match.group(1)) > 0:
+        return LinkClass.NVSWITCH, int(match.group(1))
     if token == "N/A":
         return LinkClass.UNKNOWN, 0
     return None
