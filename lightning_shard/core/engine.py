@@ -30,6 +30,7 @@ from torch import nn
 
 from . import collectives as C
 from .bucket import Bucket
+from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .state import AccumulationPolicy, GradState
 from .units import UnitSpec, plan_units
@@ -63,7 +64,7 @@ class ShardEngine:
                  group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
-                 units: Optional[UnitConfig] = None) -> None:
+                 units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -86,13 +87,18 @@ class ShardEngine:
         for opt in optimizers:
             validate_optimizer(opt, allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
-        sync_module_states(self.module, self.group)
+        self.deferred = deferred
+        if deferred is None:  # deferred init: every rank computes the same values from the same RNG state
+            sync_module_states(self.module, self.group)
+        elif stage != 3:
+            raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
         owner = self._param_owners()
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
         if stage == 3:
             cfg = units or UnitConfig()
-            specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params)
+            specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
+                               numel=deferred.numel if deferred is not None else (lambda p: p.numel()))
             self.buckets, self.units = self._build_unit_buckets(specs, owner)
             self.controller = ParamShardController(self, self.units, cfg.reshard_after_forward, cfg.prefetch_depth)
         else:
@@ -142,16 +148,35 @@ class ShardEngine:
                 groups[key][0].append(p)
                 groups[key][1].append(n)
             keyed.append([(k, ps, ns) for k, (ps, ns) in groups.items()])
-        buckets: list[Bucket] = []
         per_unit: dict[int, list[Bucket]] = {}
+
+        def make(ui: int) -> None:
+            per_unit[ui] = [Bucket(-1, ps, ns, key[0][0] if key[0] else None, key[0][1] if key[0] else None,
+                                   stage=3, rank=self.rank, world=self.world, group=self.group)
+                            for key, ps, ns in keyed[ui]]
+
+        d = self.deferred
+        if d is None:
+            for ui in range(len(specs)):
+                make(ui)
+        else:  # materialize module by module; shard a unit as soon as every module touching it is done
+            waiting = {ui: {id(m) for p in spec.params if d.is_deferred(p) for m in d.referrers[id(p)]}
+                       for ui, spec in enumerate(specs)}
+            for ui, w in waiting.items():
+                if not w:
+                    make(ui)
+            for m in d.modules_in_order():
+                d.materialize(m)
+                for ui, w in waiting.items():
+                    if ui not in per_unit and id(m) in w:
+                        w.discard(id(m))
+                        if not w:
+                            make(ui)
+        buckets: list[Bucket] = []
         for ui in reversed(range(len(specs))):
-            for key, ps, ns in keyed[ui]:
-                opt_group = key[0]
-                b = Bucket(len(buckets), ps, ns, opt_group[0] if opt_group else None,
-                           opt_group[1] if opt_group else None, stage=3, rank=self.rank, world=self.world,
-                           group=self.group)
+            for b in per_unit[ui]:
+                b.index = len(buckets)
                 buckets.append(b)
-                per_unit.setdefault(ui, []).append(b)
         units = [Unit(ui, spec, per_unit[ui]) for ui, spec in enumerate(specs)]
         return buckets, units
 

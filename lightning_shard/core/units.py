@@ -14,7 +14,7 @@ parameters are sharded too (LoRA-style fine-tunes keep the frozen base sharded).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from torch import nn
 
@@ -60,8 +60,8 @@ def auto_wrap_classes(root: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
-def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params: Optional[int] = None
-               ) -> list[UnitSpec]:
+def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params: Optional[int] = None,
+               numel: Callable[[nn.Parameter], int] = lambda p: p.numel()) -> list[UnitSpec]:
     """Units in forward-ish (registration) order, the root unit first if it holds anything."""
     classes = auto_wrap_classes(root) if wrap_classes == "auto" else _classes(wrap_classes)
     if granularity not in ("zero3", "fsdp"):
@@ -81,7 +81,7 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
                                      f"{type(m).__name__} itself: wrap its blocks instead (e.g. the transformer block class)")
                 continue
             if (classes and _matches(m, classes)) or \
-                    (min_params is not None and sum(p.numel() for p in m.parameters()) >= min_params
+                    (min_params is not None and sum(numel(p) for p in m.parameters()) >= min_params
                      and any(True for _ in m.parameters(recurse=False))):
                 unit_names.append(n)
         if not unit_names:

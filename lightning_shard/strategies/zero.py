@@ -183,7 +183,7 @@ class ZeroStrategy(ParallelStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        self._place_model(fitting)
         if fitting:
             self.setup_optimizers(trainer)
             policy, reason = self._resolve_accumulation(trainer)
@@ -194,7 +194,7 @@ class ZeroStrategy(ParallelStrategy):
                                       broadcast_buffers=self.broadcast_buffers,
                                       allow_custom_optimizer=self.allow_custom_optimizer,
                                       find_unused_parameters=self.find_unused_parameters,
-                                      units=self._unit_config())
+                                      units=self._unit_config(), deferred=self._deferred_init())
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
@@ -207,6 +207,12 @@ class ZeroStrategy(ParallelStrategy):
 
     def _unit_config(self) -> Any:
         return None  # stage 3 strategies return a UnitConfig
+
+    def _place_model(self, fitting: bool) -> None:
+        self.model_to_device()
+
+    def _deferred_init(self) -> Any:
+        return None  # stage 3 strategies return a DeferredInit for models built on the meta device
 
     def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
         acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)

@@ -20,10 +20,13 @@ Knobs, on top of ZeroStrategy's (``bucket_mb`` has no effect here: units are the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
 
+import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
+from ..core.deferred import DeferredInit, has_meta_tensors
 from ..core.engine import UnitConfig
 from .zero import BASE_KNOBS, ZeroStrategy
 
@@ -62,8 +65,40 @@ class Zero3Strategy(ZeroStrategy):
             raise ValueError(f"prefetch_depth must be an integer >= 0 (units gathered ahead), got {prefetch_depth!r}")
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
         self.param_init_fn = param_init_fn
+        self._deferred: Optional[DeferredInit] = None
+        self._init_rng: Optional[torch.Tensor] = None
         kwargs.setdefault("stage", 3)
         super().__init__(**kwargs)
+
+    # ------------------------------------------------------------------ deferred (meta-device) init
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model()`` runs here: modules are created on the meta device (no memory), and the RNG
+        state is remembered so that shard-by-shard materialization draws the same values a full init would."""
+        self._init_rng = torch.random.get_rng_state()
+        with torch.device("meta"):
+            yield
+
+    def _place_model(self, fitting: bool) -> None:
+        if not has_meta_tensors(self.model):
+            return super()._place_model(fitting)
+        if self._init_rng is None:
+            raise ValueError(
+                "the model has parameters on the meta device but was not created in LightningModule.configure_model(); "
+                "build it there (lightning_shard then materializes it shard by shard), or create it on a real device."
+            )
+        self._deferred = DeferredInit(self.model, self.param_init_fn, self.root_device)
+        if not fitting:  # no engine to shard into: materialize the whole model
+            torch.random.set_rng_state(self._init_rng)
+            for m in self._deferred.modules_in_order():
+                self._deferred.materialize(m)
+            self._deferred = None
+
+    def _deferred_init(self) -> Optional[DeferredInit]:
+        if self._deferred is not None and self._init_rng is not None:
+            torch.random.set_rng_state(self._init_rng)
+        deferred, self._deferred = self._deferred, None
+        return deferred
 
     def _unit_config(self) -> UnitConfig:
         return UnitConfig(self.GRANULARITY, reshard_after_forward=self.reshard_after_forward,

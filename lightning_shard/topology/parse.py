@@ -173,9 +173,10 @@ def _check_symmetric(m: TopoMatrix, source: str) -> None:
     for a, row in m.cells.items():
         for b, cell in zip(m.columns, row):
             other = m.cells.get(b)
-            if other is not None and other[idx[a]] != cell:
-                raise TopologyParseError(f"row {a} says {cell} for {b} but row {b} (line {m.row_line[b]}) says {other[idx[a]]} "
-                                         f"for {a}: a topo matrix is symmetric, the capture is corrupted", line=m.row_line[a], source=source)
+            if other is not None and m.row_line[b] < m.row_line[a] and other[idx[a]] != cell:
+                raise TopologyParseError(f"row {a} says {cell} for {b} but row {b} (line {m.row_line[b]}) says "
+                                         f"{other[idx[a]]} for {a}: a topo matrix is symmetric, the capture is corrupted",
+                                         line=m.row_line[a], source=source)
 
 
 def _int_or_none(value: str | None) -> int | None:

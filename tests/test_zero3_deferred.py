@@ -1,0 +1,181 @@
+"""Deferred init (configure_model on the meta device) and stage-3 bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import lightning as L
+import psutil
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy
+from tests.harness import World
+
+WIDTH, DEPTH = 512, 8
+
+
+def _stack() -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(DEPTH)])
+
+
+class _Deferred(L.LightningModule):
+    def __init__(self, deferred: bool) -> None:
+        super().__init__()
+        self.deferred = deferred
+        self.net = None if deferred else _stack()
+        self.snapshot: dict[str, torch.Tensor] = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = _stack()
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _Snapshot(L.Callback):
+    """Full weights right after setup (collective), and the peak RSS growth while setting up."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.base = psutil.Process().memory_info().rss
+        self.peak = self.base
+        self._stop = False
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        proc = psutil.Process()
+        while not self._stop:
+            self.peak = max(self.peak, proc.memory_info().rss)
+            time.sleep(0.0005)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._stop = True
+        self._thread.join()
+        self.weights = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def deferred_setup(deferred: bool, steps: int, strategy: str = "zero3") -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = _Deferred(deferred)
+    snap = _Snapshot()
+    cls = FSDPShardStrategy if strategy == "fsdp" else Zero3Strategy
+    kw = {"min_params": WIDTH * WIDTH} if strategy == "fsdp" else {}  # fsdp: the Linear layers are the units
+    trainer = L.Trainer(accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=cls(**kw),
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[snap])
+    data = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(1))
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
+    final = trainer.strategy.lightning_module_state_dict()
+    return {"init": snap.weights, "final": final, "growth": snap.peak - snap.base,
+            "full_bytes": sum(v.numel() * v.element_size() for v in snap.weights.values())}
+
+
+def full_init_reference() -> dict[str, torch.Tensor]:
+    L.seed_everything(0, verbose=False)
+    return {f"net.{k}": v for k, v in _stack().state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    w = World(4)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_deferred_init_matches_full_init_and_trains_the_same(world4, strategy):
+    deferred = world4.run(deferred_setup, True, 2, strategy)
+    eager = world4.run(deferred_setup, False, 2, strategy)
+    ref = full_init_reference()
+    for r in deferred:
+        assert r["init"].keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(r["init"][k], ref[k]), k  # same values as a full init with the same seed
+    for d, e in zip(deferred, eager):
+        for k in d["final"]:
+            assert torch.equal(d["final"][k], e["final"][k]), k
+
+
+def test_deferred_init_peak_memory_is_the_rank_share(world4):
+    """Setup of a 8.4 MiB model at world 4: RSS growth stays near the rank's share (1/4) plus a few units in
+    flight, far below the full model that an eager init would allocate on every rank."""
+    res = world4.run(deferred_setup, True, 0)
+    full = res[0]["full_bytes"]
+    unit = (WIDTH * WIDTH + WIDTH) * 4
+    for r in res:
+        assert r["growth"] <= full / 4 + 4 * unit + 2 * 2**20, (r["growth"], full)
+        assert r["growth"] < 0.75 * full
+
+
+def test_meta_model_without_configure_model_is_refused():
+    class Meta(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            with torch.device("meta"):
+                self.l = nn.Linear(2, 2)
+
+    s = Zero3Strategy()
+    s._lightning_module = s.model = Meta()
+    with pytest.raises(ValueError, match="not created in LightningModule.configure_model"):
+        s._place_model(fitting=True)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(reshard_after_forward="sometimes"), ValueError, "reshard_after_forward must be True"),
+    (dict(prefetch_depth=-1), ValueError, "prefetch_depth must be an integer >= 0"),
+    (dict(accumulation="defer"), ValueError, "accumulation must be one of"),
+    (dict(prefetch=2), TypeError, "did you mean 'prefetch_depth'"),
+])
+def test_zero3_bad_knobs(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Zero3Strategy(**kwargs)
+
+
+def test_fsdp_needs_a_policy():
+    with pytest.raises(ValueError, match="needs a wrap policy"):
+        FSDPShardStrategy()
+
+
+def _units(model: nn.Module, **kw):
+    from lightning_shard.core.units import plan_units
+
+    return plan_units(model, "fsdp", kw.get("wrap_classes"), kw.get("min_params"))
+
+
+def test_wrap_policy_matching_nothing_or_everything():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="matched no module; module classes in this model"):
+        _units(model, wrap_classes=["Block"])
+    with pytest.raises(ValueError, match="every module with parameters a unit"):
+        _units(model, wrap_classes=["Linear"])
+    with pytest.raises(ValueError, match="matches the root module"):
+        _units(model, wrap_classes=["Sequential"])
+
+
+def test_wrap_policy_splitting_tied_weights():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+            self.head = nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.mid = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)  # stays in the root unit
+
+    with pytest.raises(ValueError, match="tied across units"):
+        _units(Tied(), wrap_classes=["Embedding", "Linear"])
+    # zero3 granularity hoists the tied weight into the root unit instead
+    from lightning_shard.core.units import plan_units
+
+    specs = plan_units(Tied(), "zero3")
+    assert specs[0].name == "<root>" and specs[0].names == ["emb.weight"]
