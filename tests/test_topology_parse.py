@@ -86,6 +86,12 @@ def test_split_cells():
     assert parse_cpu_list("0-2,8,10-11") == (0, 1, 2, 8, 10, 11) and parse_cpu_list("N/A") == ()
 
 
+def test_old_driver_tokens():
+    old = "\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPSB\tSOC\t0-7\nGPU1\tPSB\t X \tSOC\t0-7\nGPU2\tSOC\tSOC\t X \t8-15\n"
+    topo = parse_topo(old)
+    assert topo.link(0, 1).cls is L.PCIE_SWITCH and topo.link(0, 2).cls is L.CROSS_SOCKET
+
+
 GOOD = """\
         GPU0    GPU1    GPU2    CPU Affinity    NUMA Affinity
 GPU0     X      NV4     SYS     0-7     0

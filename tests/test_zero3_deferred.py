@@ -179,3 +179,62 @@ def test_wrap_policy_splitting_tied_weights():
 
     specs = plan_units(Tied(), "zero3")
     assert specs[0].name == "<root>" and specs[0].names == ["emb.weight"]
+
+
+class _WithEval(L.LightningModule):
+    """torchmetrics in the module, a no_grad validation loop, predict after fit, eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.val_mean = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, i):
+        x, y = batch
+        self.val_mean.update(nn.functional.cross_entropy(self.net(x), y))
+        self.log("val_loss", self.val_mean, sync_dist=True)
+
+    def predict_step(self, batch, i):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def eval_loops() -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = _WithEval()
+    g = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Zero3Strategy(), max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    val = float(trainer.callback_metrics["val_loss"])
+    shapes = [tuple(p.shape) for p in module.parameters()]  # the plain module is whole again after fit
+    x = torch.randn(5, 6, generator=g)
+    module.eval()
+    with torch.no_grad():
+        direct = module.net(x)
+    preds = trainer.predict(module, DataLoader(TensorDataset(x), batch_size=5))
+    return {"val": val, "shapes": shapes, "direct": direct, "pred": preds[0]}
+
+
+def test_validation_metrics_predict_and_eval_after_fit():
+    w = World(2)
+    try:
+        res = w.run(eval_loops)
+    finally:
+        w.close()
+    assert res[0]["shapes"] == [(16, 6), (16,), (3, 16), (3,)]
+    assert res[0]["val"] == res[1]["val"] and res[0]["val"] > 0  # torchmetrics synced over ranks
+    expected = {0: [0, 2, 4], 1: [1, 3]}  # Lightning splits predict data over ranks without padding
+    for rank, r in enumerate(res):
+        assert torch.allclose(r["pred"], r["direct"][expected[rank]])
+    assert torch.equal(res[0]["direct"], res[1]["direct"])  # identical weights on both ranks

@@ -109,6 +109,12 @@ class Bucket:
         self.flat_param = None
         self.param_state = param_transition(self.param_state, ParamState.SHARDED, f"bucket {self.index}")
 
+    def detach_full(self) -> None:
+        """Leave the gathered parameters with the module for good (the engine is being torn down)."""
+        self.param_state = ParamState.SHARDED
+        self.flat_param = None
+        self.shard = None
+
     @property
     def gathered_bytes(self) -> int:
         return 0 if self.flat_param is None or self.stage != 3 else self.flat_param.numel() * self.flat_param.element_size()

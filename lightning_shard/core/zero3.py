@@ -13,7 +13,8 @@ Policies across an accumulation window (DESIGN.md section 3):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -72,6 +73,8 @@ class ParamShardController:
         self.peak_gathered_bytes = 0
         self.events: list[tuple[str, int]] = []  # ("gather"|"wait"|"forward_done"|..., unit index), for tests
         self.record_events = False
+        self._handles_paused = False  # inside full_params(): plain forward, no gather/free
+        self.released = False  # release_to_module() ran: the module owns full parameters again
         self._handles = []
         for u in units:
             if u.module is not None:
@@ -116,6 +119,8 @@ class ParamShardController:
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, unit: Unit):
         def hook(module: nn.Module, args: Any) -> None:
+            if self._handles_paused:
+                return
             if self._recording and torch.is_grad_enabled() and unit.index not in self._pos:
                 self._pos[unit.index] = len(self.fwd_order)
                 self.fwd_order.append(unit.index)
@@ -127,6 +132,8 @@ class ParamShardController:
 
     def _post_forward_hook(self, unit: Unit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._handles_paused:
+                return
             self._event("forward_done", unit)
             self._hook_backward(unit, output)
             if not torch.is_grad_enabled() or (self.reshard_after_forward and not self._keep_params()):
@@ -142,11 +149,11 @@ class ParamShardController:
 
     def step_pre_forward(self) -> None:
         """Around the LightningModule's step (the root unit is not inside any module forward we can hook)."""
-        if self.root is not None:
+        if self.root is not None and not self._handles_paused:
             self._materialize(self.root)
 
     def step_post_forward(self, output: Any) -> None:
-        if self.root is None:
+        if self.root is None or self._handles_paused:
             return
         self._hook_backward(self.root, output)
         if not torch.is_grad_enabled() or (self.reshard_after_forward and not self._keep_params()):
@@ -185,6 +192,35 @@ class ParamShardController:
             if u.state is ParamState.GATHERING:
                 u.wait()
             u.reshard()
+
+    @contextmanager
+    def full_params(self) -> Iterator[None]:
+        """Every unit gathered for the duration (generation, export); resharded on exit. Collective."""
+        for u in self.units:
+            u.unshard(async_op=True)
+        for u in self.units:
+            u.wait()
+        self._track_peak()
+        paused, self._handles_paused = self._handles_paused, True
+        try:
+            yield
+        finally:
+            self._handles_paused = paused
+            for u in self.units:
+                u.reshard()
+
+    def release_to_module(self) -> None:
+        """End of training: gather every unit for good, so the plain module works without the engine."""
+        if self.released:
+            return
+        self.released = True
+        self.remove_hooks()
+        for u in self.units:
+            u.unshard(async_op=True)
+        for u in self.units:
+            u.wait()
+            for b in u.buckets:
+                b.detach_full()
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -180,6 +180,9 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.engine is not None:  # a previous fit's engine: its hooks go, the module is whole again
+            self.engine.remove_hooks()
+            self.engine = None
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -279,7 +282,8 @@ class ZeroStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full weights; with half-precision parameters the fp32 masters are saved instead (collective)."""
         state = self.lightning_module.state_dict()
-        if self.engine is not None:
+        released = self.engine is not None and self.engine.controller is not None and self.engine.controller.released
+        if self.engine is not None and not released:
             state.update(self.engine.gather_full())
         return state
 

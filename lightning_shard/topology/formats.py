@@ -15,9 +15,12 @@ from lightning_shard.topology.model import Device, Topology
 ROCM = "rocm-smi --showtopo output (AMD)"
 _SIGNATURES = [  # (regex, what it looks like); first match wins, searched line by line
     (re.compile(r"ROCm System Management Interface|Link Type between two GPUs"), ROCM),
-    (re.compile(r"^\s*Link \d+: Remote Device [0-9A-Fa-f]+:[0-9A-Fa-f]+:"), "`nvidia-smi nvlink -R` output (remote end of each NVLink of one GPU)"),
-    (re.compile(r"^\s*Link \d+: (?:[\d.]+ GB/s|<inactive>)"), "`nvidia-smi nvlink -s` output (speed of each NVLink of one GPU)"),
-    (re.compile(r"<(?:system|cpu|pci busid|gpu dev|nvlink target)\b"), "an NCCL topology dump (NCCL_TOPO_DUMP_FILE XML)"),
+    (re.compile(r"^\s*Link \d+: Remote Device [0-9A-Fa-f]+:[0-9A-Fa-f]+:"),
+     "`nvidia-smi nvlink -R` output (remote end of each NVLink of one GPU)"),
+    (re.compile(r"^\s*Link \d+: (?:[\d.]+ GB/s|<inactive>)"),
+     "`nvidia-smi nvlink -s` output (speed of each NVLink of one GPU)"),
+    (re.compile(r"<(?:system|cpu|pci busid|gpu dev|nvlink target)\b"),
+     "an NCCL topology dump (NCCL_TOPO_DUMP_FILE XML)"),
     (re.compile(r"\bbusbw\b|Avg bus bandwidth"), "nccl-tests benchmark output"),
 ]
 
@@ -62,29 +65,31 @@ def parse_rocm_smi(text: str, source: str = "<text>", name: str | None = None) -
         if m:
             numa[int(m.group(1))] = int(m.group(2))
     if start is None:
-        raise TopologyParseError("rocm-smi output without a 'Link Type between two GPUs' section: run `rocm-smi --showtopo`", source=source)
+        raise TopologyParseError("rocm-smi output without a 'Link Type between two GPUs' section: run "
+                                 "`rocm-smi --showtopo`", source=source)
     header = lines[start].split() if start < len(lines) else []
     n = len(header)
     if n == 0 or header != [f"GPU{i}" for i in range(n)]:
-        raise TopologyParseError(f"expected the GPU0 GPU1 ... header of the link-type matrix, found {header[:4]}", line=start + 1, source=source)
+        raise TopologyParseError(f"expected the GPU0 GPU1 ... header of the link-type matrix, found {header[:4]}",
+                                 line=start + 1, source=source)
     rows: list[list[str]] = []
     for i in range(n):
         k = start + 2 + i  # 1-based line number of row i
-        cells = lines[k - 1].split() if k - 1 < len(lines) else []
+        text_k = lines[k - 1].strip() if k - 1 < len(lines) else "end of input"
+        cells = text_k.split()
         if len(cells) != n + 1 or cells[0] != f"GPU{i}":
-            raise TopologyParseError(f"expected row GPU{i} with {n} cells, found {lines[k - 1].strip()[:60] if k - 1 < len(lines) else 'end of input'!r}", line=k, source=source)
+            raise TopologyParseError(f"expected row GPU{i} with {n} cells, found {text_k[:60]!r}", line=k, source=source)
         row = []
         for j, cell in enumerate(cells[1:]):
             if i == j:
                 if cell != "0":
                     raise TopologyParseError(f"diagonal cell of GPU{i} is {cell!r}, expected 0", line=k, source=source)
                 row.append("X")
-            elif cell == "XGMI":
-                row.append("XGMI")
-            elif cell == "PCIE":
-                row.append("NODE" if numa.get(i) == numa.get(j) else "SYS")
+            elif cell in ("XGMI", "PCIE"):
+                row.append("XGMI" if cell == "XGMI" else "NODE" if numa.get(i) == numa.get(j) else "SYS")
             else:
-                raise TopologyParseError(f"GPU{i}, column GPU{j}: unknown link type {cell!r}; expected XGMI or PCIE", line=k, source=source)
+                raise TopologyParseError(f"GPU{i}, column GPU{j}: unknown link type {cell!r}; expected XGMI or PCIE",
+                                         line=k, source=source)
         rows.append(row)
     devices = [Device(index=i, name=f"GPU{i}", local_index=i, numa=numa.get(i)) for i in range(n)]
     return Topology.from_tokens(name or "rocm_smi", rows, devices, Fabric(), source=source,

@@ -195,7 +195,8 @@ class Topology:
             "matrix": [[lk.cls.value for lk in row] for row in self.links],
             "gbps": [[num(lk.gbps) for lk in row] for row in self.links],
             "islands": [
-                {"devices": list(i.devices), "node": i.node, "link": i.link.value, "ring_gbps": num(i.ring_gbps), "ring_order": list(i.ring_order)}
+                {"devices": list(i.devices), "node": i.node, "link": i.link.value, "ring_gbps": num(i.ring_gbps),
+                 "ring_order": list(i.ring_order)}
                 for i in self.islands
             ],
             "nics": self.nics,

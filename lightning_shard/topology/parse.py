@@ -147,7 +147,8 @@ def parse_matrix(text: str, source: str = "<text>", allow_partial: bool = False)
         if label != expected:
             if label in ("Legend:", "NIC"):
                 break
-            raise TopologyParseError(f"expected row {expected or '(none: all rows read)'}, found {label!r}", line=k + 1, source=source)
+            raise TopologyParseError(f"expected row {expected or '(none: all rows read)'}, found {label!r}",
+                                     line=k + 1, source=source)
         _row(lines[k], k + 1, label, m, source)
         k += 1
     for number, line in enumerate(lines[k:], start=k + 1):
@@ -155,7 +156,8 @@ def parse_matrix(text: str, source: str = "<text>", allow_partial: bool = False)
         if legend:
             m.nic_legend[legend.group(1)] = legend.group(2)
         elif re.match(r"^\s*GPU\d+\s", line):
-            raise TopologyParseError(f"row {line.split()[0]} after the end of the matrix (a blank line cuts it)", line=number, source=source)
+            raise TopologyParseError(f"row {line.split()[0]} after the end of the matrix (a blank line cuts it)",
+                                     line=number, source=source)
     missing = [g for g in m.gpus if g not in m.cells]
     if missing and not allow_partial:
         raise TopologyParseError(f"the matrix ends after row {list(m.cells)[-1] if m.cells else '(none)'} but the header names "

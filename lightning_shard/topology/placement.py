@@ -44,7 +44,8 @@ def check_placement(topology: Topology, devices: Sequence[int], traffic: str, sh
                     strict: bool = False) -> PlacementWarning | None:
     """A warning (or PlacementError when `strict`) if the job's traffic crosses slow links needlessly."""
     if traffic not in TRAFFIC:
-        raise ValueError(f"traffic={traffic!r}: expected one of {sorted(TRAFFIC)} (per_layer for zero3/fsdp, per_step for ddp/zero1/zero2)")
+        raise ValueError(f"traffic={traffic!r}: expected one of {sorted(TRAFFIC)} (per_layer for zero3/fsdp, "
+                         f"per_step for ddp/zero1/zero2)")
     order = island_order(topology, devices)
     if len(order) != len(devices):
         raise ValueError(f"devices {list(devices)} must be distinct indices of {topology.name} (0..{len(topology.devices) - 1})")
