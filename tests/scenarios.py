@@ -20,6 +20,7 @@ class Recorder(L.Callback):
 
     def __init__(self) -> None:
         self.per_batch: list[list[tuple[str, str, float]]] = []
+        self.per_batch_groups: list[list[tuple[str, str, str, int]]] = []
         self.step_memory: list[dict[str, int]] = []
         self.record_events = False
         self._mark = 0
@@ -28,7 +29,9 @@ class Recorder(L.Callback):
         self._mark = C.LEDGER.mark()
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.per_batch.append([(e.op, e.tag, e.wire_bytes) for e in C.LEDGER.since(self._mark)])
+        entries = C.LEDGER.since(self._mark)
+        self.per_batch.append([(e.op, e.tag, e.wire_bytes) for e in entries])
+        self.per_batch_groups.append([(e.op, e.tag, e.group, e.bytes) for e in entries])
 
     def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
         self.step_memory.append(trainer.strategy.engine.memory_report())
@@ -86,6 +89,9 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "state": {k: v.detach().clone() for k, v in module_state.items()},
         "norms": module.grad_norms,
         "per_batch": recorder.per_batch,
+        "per_batch_groups": recorder.per_batch_groups,
+        "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
+        "axes": trainer.strategy._groups.axes,
         "memory": engine.memory_report(),
         "buckets": [(b.layout.numel, b.layout.padded_numel, b.group_index) for b in engine.buckets],
         "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),

@@ -20,10 +20,13 @@ from .state import GradState, ParamState, param_transition, transition
 
 class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
-                 group_index: Optional[int], *, stage: int, rank: int, world: int, group: Any) -> None:
+                 group_index: Optional[int], *, stage: int, rank: int, world: int, group: Any,
+                 replicate_group: Any = None) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.stage, self.rank, self.world, self.group = stage, rank, world, group
+        self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
+        self.total_world = world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.itemsize = params[0].element_size()
@@ -191,9 +194,11 @@ class Bucket:
         if not boundary:
             self.set_state(GradState.ACCUMULATING)
             return
+        if self.replicate_group is not None:  # hybrid: one cross-island all-reduce of the shard, at the boundary
+            C.all_reduce(mine, group=self.replicate_group, tag=f"replicate_bucket{self.index}")
         if mine.dtype != self.shard_param.dtype:
             mine = mine.to(self.shard_param.dtype)
-        mine.div_(self.world)
+        mine.div_(self.total_world)
         self.shard_param.grad = mine
         self.set_state(GradState.REDUCED)
 

@@ -244,18 +244,26 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     return _delayed("all_gather", _ag_impl(output, input, group=group, async_op=async_op), async_op)
 
 
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank``."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False, tag: str = ""):
+    """Broadcast from the group's member number ``src`` (not a global rank)."""
     LEDGER.record("broadcast", group, tensor, tag)
     _issue("broadcast", tag)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Pickle-based broadcast for small metadata (not recorded: it carries no model bytes)."""
+    """Pickle-based broadcast of small metadata from the group's member ``src`` (not recorded)."""
     if not is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
     return box[0]
 
 

@@ -64,7 +64,8 @@ class ShardEngine:
                  group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
-                 units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None) -> None:
+                 units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
+                 replicate_group: Any = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -79,7 +80,12 @@ class ShardEngine:
         if not optimizers:
             raise ValueError("no optimizer to shard: configure_optimizers() returned nothing")
         self.module, self.stage, self.group, self.policy = module, stage, group, policy
+        # hybrid sharding: ``group`` shards (inside an island), ``replicate_group`` holds the copies of this
+        # rank's shard in the other islands; gradients are averaged over both, i.e. over every rank
         self.world, self.rank = C.get_world_size(group), C.get_rank(group)
+        self.replicate_group = replicate_group
+        self.replicas = C.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.total_world = self.world * self.replicas
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
@@ -89,7 +95,7 @@ class ShardEngine:
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
         self.deferred = deferred
         if deferred is None:  # deferred init: every rank computes the same values from the same RNG state
-            sync_module_states(self.module, self.group)
+            sync_module_states(self.module, None)
         elif stage != 3:
             raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
         owner = self._param_owners()
@@ -152,7 +158,8 @@ class ShardEngine:
 
         def make(ui: int) -> None:
             per_unit[ui] = [Bucket(-1, ps, ns, key[0][0] if key[0] else None, key[0][1] if key[0] else None,
-                                   stage=3, rank=self.rank, world=self.world, group=self.group)
+                                   stage=3, rank=self.rank, world=self.world, group=self.group,
+                                   replicate_group=self.replicate_group)
                             for key, ps, ns in keyed[ui]]
 
         d = self.deferred
@@ -197,7 +204,8 @@ class ShardEngine:
             if sizes[key] >= self.bucket_bytes:
                 del open_buckets[key]
         return [Bucket(i, ps, [names[id(p)] for p in ps], key[0], key[1], stage=self.stage, rank=self.rank,
-                       world=self.world, group=self.group) for i, (key, ps) in enumerate(ordered)]
+                       world=self.world, group=self.group, replicate_group=self.replicate_group)
+                for i, (key, ps) in enumerate(ordered)]
 
     def _make_hook(self, bucket: Bucket, i: int):
         def hook(_: torch.Tensor) -> None:
@@ -291,9 +299,9 @@ class ShardEngine:
         does for ``grad=None``). One small all-reduce of a used-mask per optimizer step."""
         buckets = self.binding_for(optimizer).buckets
         mask = torch.cat([b.used for b in buckets]).to(self.buckets[0].device)
-        if self.world > 1:
+        if self.total_world > 1:
             mask = mask.float()
-            C.all_reduce(mask, op="max", group=self.group, tag="used_mask")
+            C.all_reduce(mask, op="max", group=None, tag="used_mask")
         off = 0
         for b in buckets:
             local = mask[off:off + len(b.params)]
@@ -310,10 +318,10 @@ class ShardEngine:
         C.wait_all(works)
         for b in buckets:
             b.end_window()
-        if self.broadcast_buffers and self.world > 1:
+        if self.broadcast_buffers and self.total_world > 1:
             buffers = [t for t in self.module.buffers() if t.is_floating_point() or t.dtype == torch.long]
             if buffers:
-                _broadcast_coalesced(buffers, self.group, tag="buffers")
+                _broadcast_coalesced(buffers, None, tag="buffers")
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop this window's gradients without updating (e.g. fp16 overflow), identically on every rank."""
@@ -361,8 +369,8 @@ class ShardEngine:
             g.mul_(inv_scale)
             if g.numel() and not torch.isfinite(g).all():
                 found.fill_(1.0)
-        if self.world > 1:
-            C.all_reduce(found, op="max", group=self.group, tag="found_inf")
+        if self.total_world > 1:
+            C.all_reduce(found, op="max", group=None, tag="found_inf")
         return bool(found.item())
 
     # ------------------------------------------------------------------ fp32 masters (half-precision params)

@@ -17,6 +17,12 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``start_method``  ``"popen"`` (default, re-runs the script per rank like DDP), ``"fork"``, ``"spawn"``.
 ``timeout_s``     collective timeout in seconds (default 1800).
 ``allow_custom_optimizer``  accept optimizers not known to be element-wise (see ``core/optim.py``).
+``shard_size``    hybrid sharding: ``None`` (default) shards over every rank; an integer S shards inside groups of S
+                  consecutive ranks and replicates across groups (gradients: reduce-scatter inside the group, one
+                  all-reduce of the shard across groups at the boundary); ``"auto"`` takes S from ``topology``'s islands.
+``topology``      preset name (``conf/topology``), capture file, or ``"detect"``: used by ``shard_size="auto"`` and by
+                  the placement check at setup (a warning when traffic crosses slow links needlessly).
+``strict_placement``  make that warning an error.
 ``find_unused_parameters``  leave parameters that got no gradient on any rank in a window untouched by the step,
                   exactly as torch does for ``grad=None`` (costs one small all-reduce per step). Off (default),
                   they step with a zero gradient, so momentum/weight decay still move them (as DDP does).
@@ -42,12 +48,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..core import collectives as C
 from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
+from .layout import Groups, check_job_placement, make_groups, resolve_topology, validate_shard_size
 from .precision import ShardedPrecision
 
 log = logging.getLogger(__name__)
 
 BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
-         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "accelerator", "parallel_devices",
+         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "shard_size",
+         "topology", "strict_placement", "accelerator", "parallel_devices",
          "cluster_environment", "checkpoint_io", "precision_plugin")
 ACCUMULATION = ("auto", "defer", "per_micro_batch")  # zero0/1/2; zero3 adds its own (strategies/zero3.py)
 START_METHODS = ("popen", "fork", "spawn", "forkserver")
@@ -65,7 +73,8 @@ class ZeroStrategy(ParallelStrategy):
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
-                 find_unused_parameters: bool = False, accelerator: Any = None,
+                 find_unused_parameters: bool = False, shard_size: Union[None, int, str] = None,
+                 topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Optional[Precision] = None, **unknown: Any) -> None:
         if unknown:
@@ -90,6 +99,10 @@ class ZeroStrategy(ParallelStrategy):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         parse_reduce_dtype(reduce_dtype)
+        validate_shard_size(shard_size)
+        if shard_size is not None and stage == 0:
+            raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: drop shard_size, "
+                             "or use zero2/zero3 with shard_size for hybrid sharding")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -97,6 +110,9 @@ class ZeroStrategy(ParallelStrategy):
         self.bucket_mb, self.reduce_dtype, self.overlap = float(bucket_mb), reduce_dtype, overlap
         self.broadcast_buffers, self.allow_custom_optimizer = broadcast_buffers, allow_custom_optimizer
         self.find_unused_parameters = find_unused_parameters
+        self.shard_size, self.topology_spec, self.strict_placement = shard_size, topology, strict_placement
+        self._groups = Groups()
+        self.placement_warning: Optional[str] = None
         self._start_method, self._process_group_backend = start_method, process_group_backend
         self._timeout = timedelta(seconds=timeout_s)
         self._num_nodes = 1
@@ -169,12 +185,17 @@ class ZeroStrategy(ParallelStrategy):
                     f"{self.num_nodes} node(s) x {self.num_processes} device(s) = {self.world_size} ranks; set "
                     f"Trainer(devices=..., num_nodes=...) to match the launched processes."
                 )
-            return
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        else:
+            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type == "cuda":
+                kwargs["device_id"] = self.root_device
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        topology = resolve_topology(self.topology_spec, self.num_processes)
+        self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank)
+        shard = self._groups.axes["shard"] if self._groups.axes else None
+        warning = check_job_placement(topology, self.num_processes, self.stage, shard, self.strict_placement)
+        self.placement_warning = warning
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -197,7 +218,8 @@ class ZeroStrategy(ParallelStrategy):
                                       broadcast_buffers=self.broadcast_buffers,
                                       allow_custom_optimizer=self.allow_custom_optimizer,
                                       find_unused_parameters=self.find_unused_parameters,
-                                      units=self._unit_config(), deferred=self._deferred_init())
+                                      units=self._unit_config(), deferred=self._deferred_init(),
+                                      group=self._groups.shard, replicate_group=self._groups.replicate)
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)

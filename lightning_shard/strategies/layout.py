@@ -1,0 +1,91 @@
+"""Process-group layout for a strategy: hybrid shard/replicate groups and the placement check at setup.
+
+``shard_size``: ``None`` shards over every rank; an integer S makes shard groups of S consecutive ranks
+(replicated across groups); ``"auto"`` takes S from the topology's islands. ``topology``: a preset name
+(``conf/topology/*.yaml``), a path to an ``nvidia-smi topo -m`` capture, or ``"detect"`` (the live machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..core import collectives as C
+from ..topology import Topology, build_layout, check_placement, detect, from_capture, load_preset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Groups:
+    shard: Any = None  # None: the world group
+    replicate: Any = None  # None: no replication (plain sharding)
+    axes: Optional[dict[str, int]] = None
+
+
+def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
+    if spec is None:
+        return None
+    if spec == "detect":
+        return detect()
+    if Path(spec).is_file():
+        return from_capture(spec)
+    if spec in ("cpu",):
+        return load_preset("cpu", devices=local_world)
+    return load_preset(spec)
+
+
+def validate_shard_size(shard_size: Union[None, int, str]) -> None:
+    if shard_size is None or shard_size == "auto":
+        return
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be None (shard over all ranks), 'auto' (island size from the topology) or "
+                         f"a positive integer, got {shard_size!r}")
+
+
+def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology], world: int, num_nodes: int,
+                rank: int) -> Groups:
+    """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to."""
+    if shard_size is None:
+        return Groups()
+    if shard_size == "auto":
+        if topology is None:
+            raise ValueError("shard_size='auto' takes the island size from a topology: pass topology=<preset name, "
+                             "capture file or 'detect'>, or an integer shard_size")
+        layout = build_layout(topology, world, nodes=num_nodes, hybrid=True)
+        shard_groups, replicate_groups = layout.shard_groups, layout.replicate_groups
+    else:
+        if world % shard_size:
+            raise ValueError(f"shard_size={shard_size} does not divide the world size {world} ({world} % {shard_size} = "
+                             f"{world % shard_size}); use one of {[d for d in range(1, world + 1) if world % d == 0]}")
+        shard_groups = tuple(tuple(range(s, s + shard_size)) for s in range(0, world, shard_size))
+        replicate_groups = tuple(tuple(range(k, world, shard_size)) for k in range(shard_size))
+    if len(shard_groups) == 1:
+        raise ValueError(f"hybrid sharding with one shard group of {len(shard_groups[0])} ranks is plain sharding: "
+                         "drop shard_size (or use a shard_size smaller than the world size)")
+    mine = Groups(axes={"replicate": len(shard_groups), "shard": len(shard_groups[0])})
+    for ranks in shard_groups:  # every rank creates every group, in the same order
+        g = C.new_group(list(ranks), "shard")
+        if rank in ranks:
+            mine.shard = g
+    for ranks in replicate_groups:
+        g = C.new_group(list(ranks), "replicate")
+        if rank in ranks:
+            mine.replicate = g
+    return mine
+
+
+def check_job_placement(topology: Optional[Topology], local_devices: int, stage: int, shard_size: Optional[int],
+                        strict: bool) -> Optional[str]:
+    """Warn once (or raise when ``strict``) if this job's traffic crosses slow links needlessly."""
+    if topology is None or topology.devices_per_node < local_devices:
+        return None
+    traffic = "per_layer" if stage == 3 else "per_step"
+    warning = check_placement(topology, list(range(local_devices)), traffic, shard_size=shard_size, strict=strict)
+    if warning is not None:
+        warnings.warn(str(warning), stacklevel=2)
+        return str(warning)
+    return None
