@@ -27,9 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, conn: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), NODE_RANK="0", OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, port: int, conn: Any, nodes: int = 1) -> None:
+    local = world // nodes  # node-major numbering, as torchrun and SLURM do
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank % local),
+                      WORLD_SIZE=str(world), NODE_RANK=str(rank // local), LOCAL_WORLD_SIZE=str(local),
+                      OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
@@ -55,14 +57,17 @@ def _worker(rank: int, world: int, port: int, conn: Any) -> None:
 
 
 class World:
-    def __init__(self, size: int, timeout: float = 300.0) -> None:
+    def __init__(self, size: int, timeout: float = 300.0, nodes: int = 1) -> None:
+        """``nodes`` > 1 simulates several nodes on this machine through the env vars torchrun would set."""
+        if size % nodes:
+            raise ValueError(f"{size} ranks cannot be split over {nodes} nodes")
         self.size, self.timeout = size, timeout
         ctx = mp.get_context("fork")
         port = free_port()
         self.conns, self.procs = [], []
         for r in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, size, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(r, size, port, child, nodes), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)

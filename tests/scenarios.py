@@ -56,7 +56,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
              save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
              strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
-             delay_gather_s: float = 0.0) -> dict[str, Any]:
+             delay_gather_s: float = 0.0, num_nodes: int = 1) -> dict[str, Any]:
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
     module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused)
@@ -67,7 +67,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
     if ckpt_dir:  # Lightning's default full checkpoint, every 3 optimizer steps
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     strategy = make_strategy(stage, accumulation, bucket_mb, find_unused, **(strategy_kwargs or {}))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
+    trainer = L.Trainer(accelerator="cpu", devices=world // num_nodes, num_nodes=num_nodes, strategy=strategy,
+                        max_steps=steps,
                         accumulate_grad_batches=1 if manual else acc, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=clip, precision=precision, callbacks=callbacks)

@@ -64,3 +64,33 @@ def test_hybrid_on_a_single_island_is_refused(world4):
 def test_shard_size_must_divide_world(world4):
     with pytest.raises(RuntimeError, match="shard_size=3 does not divide the world size 4"):
         world4.run(fit_zero, 2, "defer", 1, model="tiny_lm", strategy_kwargs={"shard_size": 3})
+
+
+def test_two_local_nodes_build_node_aware_groups_and_match():
+    """Two simulated nodes of 2 ranks (NODE_RANK/LOCAL_RANK as torchrun sets them): with the per-node `cpu`
+    topology, shard_size='auto' shards inside each node and replicates across nodes; training matches."""
+    w = World(4, nodes=2)
+    try:
+        results = w.run(fit_zero, 3, "per_micro_batch", 3, model="tiny_lm", num_nodes=2,
+                        strategy_kwargs={"shard_size": "auto", "topology": "cpu", "wrap_classes": ["Block"]})
+    finally:
+        w.close()
+    ref, _ = reference(3)
+    for r in results:
+        assert r["axes"] == {"replicate": 2, "shard": 2}
+        assert max_diff(params_of(r["state"]), params_of(ref)) <= 1e-5
+    for i, entries in enumerate(results[0]["per_batch_groups"]):
+        assert all(g != "replicate" for _, _, g, _ in entries) or (i + 1) % 3 == 0
+
+
+def test_placement_across_nvl_pairs_warns_and_strict_raises():
+    from lightning_shard.strategies.layout import check_job_placement
+    from lightning_shard.topology import PlacementError, load_preset
+
+    topo = load_preset("h100_nvl_8")
+    with pytest.warns(UserWarning, match="shard_size=2"):
+        msg = check_job_placement(topo, 4, stage=3, shard_size=None, strict=False)  # 4 ranks = two NVL pairs
+    assert "slowdown" in msg or "x" in msg
+    with pytest.raises(PlacementError):
+        check_job_placement(topo, 4, stage=3, shard_size=None, strict=True)
+    assert check_job_placement(topo, 2, stage=3, shard_size=None, strict=True) is None  # one pair: fine
