@@ -143,3 +143,34 @@ def test_bf16_params_keep_fp32_master(w, reduce_dtype):
     # masters track fp32 training far better than bf16 parameters could hold the small updates
     err_master = float((r["master"] - ref).abs().max())
     assert err_master < 3e-2, err_master
+
+
+def param_gather_overlap(overlap: bool) -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=1, bucket_mb=0.0002, overlap_param_gather=overlap)
+    _train(engine, model, opt, 1)
+    pending_after_step = [b._param_work is not None for b in engine.buckets]
+    order = [e.tag for e in C.LEDGER.since(0) if e.tag.startswith("param_bucket")][-len(engine.buckets):]
+    x = torch.randn(2, 9)
+    first = model[0]
+    seen: list[bool] = []
+    h = first.register_forward_hook(lambda *a: seen.append(engine.buckets[-1]._param_work is None))
+    model(x)
+    h.remove()
+    pending_after_forward = [b._param_work is not None for b in engine.buckets]
+    engine.remove_hooks()
+    return {"after_step": pending_after_step, "after_forward": pending_after_forward, "order": order,
+            "first_layer_ready_in_forward": seen}
+
+
+def test_param_all_gather_overlaps_next_forward(w):
+    on = w.run(param_gather_overlap, True)[0]
+    off = w.run(param_gather_overlap, False)[0]
+    n = len(on["after_step"])
+    assert n >= 3
+    assert all(on["after_step"]) and not any(on["after_forward"])  # in flight after the step, done by forward
+    assert on["first_layer_ready_in_forward"] == [True]  # the first layer waited for its own bucket
+    assert not any(off["after_step"])
+    # issued in forward order: the last bucket (first layers, reverse registration) goes first
+    assert on["order"] == [f"param_bucket{i}" for i in reversed(range(n))]

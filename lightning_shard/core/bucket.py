@@ -46,6 +46,7 @@ class Bucket:
         self.shard: Optional[torch.Tensor] = None
         self.param_state = ParamState.UNSHARDED
         self._gather_work: Any = None
+        self._param_work: Any = None  # stages 1/2: the post-step all-gather, waited on by a forward pre-hook
         if stage == 3:
             self.shard = self.flat_param[self.shard_start:self.shard_end].clone()
             own = self.shard[: self.owned_numel]
@@ -202,8 +203,14 @@ class Bucket:
         self.shard_param.grad = mine
         self.set_state(GradState.REDUCED)
 
+    def wait_param_gather(self) -> None:
+        work, self._param_work = self._param_work, None
+        if work is not None:
+            work.wait()
+
     def launch_gather(self, async_op: bool) -> Any:
-        """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2)."""
+        """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2); the work is kept
+        in ``_param_work`` until :meth:`wait_param_gather`."""
         with torch.no_grad():
             if self.stage == 3:  # the next forward gathers; only the master needs copying into the shard
                 if self.master is not None:
@@ -213,8 +220,9 @@ class Bucket:
                 self.flat_param[self.own_lo:self.own_hi].copy_(self.master)
         if self.stage == 0:
             return None
-        return C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end], group=self.group,
-                            async_op=async_op, tag=f"param_bucket{self.index}")
+        self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
+                                        group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
+        return self._param_work
 
     def protect_unused(self, unused: list[int], state: dict) -> None:
         """Remember this rank's elements of parameters no rank used in the window (restored after the step).

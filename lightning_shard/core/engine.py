@@ -65,7 +65,7 @@ class ShardEngine:
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
-                 replicate_group: Any = None) -> None:
+                 replicate_group: Any = None, overlap_param_gather: bool = True) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -114,6 +114,12 @@ class ShardEngine:
             binding.rebind(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self._comm_buckets for i, p in enumerate(b.params)]
+        # stages 1/2: the all-gather after a step runs in the background and each module waits for its own
+        # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
+        self.overlap_param_gather = overlap_param_gather and stage in (1, 2)
+        self._pending_gathers: list[Bucket] = []
+        if self.overlap_param_gather:
+            self._hooks += self._register_gather_waits()
         self._require_sync = True
         self._comm_this_backward = False
         self._boundary_this_backward = False
@@ -207,6 +213,29 @@ class ShardEngine:
                        world=self.world, group=self.group, replicate_group=self.replicate_group)
                 for i, (key, ps) in enumerate(ordered)]
 
+    def _register_gather_waits(self) -> list[Any]:
+        owners: dict[int, set[int]] = {}
+        for b in self.buckets:
+            for p in b.params:
+                owners.setdefault(id(p), set()).add(b.index)
+        handles = []
+        for m in self.module.modules():
+            mine = sorted({i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())})
+            if mine:
+                waits = [self.buckets[i] for i in mine]
+                handles.append(m.register_forward_pre_hook(lambda mod, args, waits=waits: self._wait(waits)))
+        return handles
+
+    def _wait(self, buckets: list[Bucket]) -> None:
+        for b in buckets:
+            b.wait_param_gather()
+
+    def wait_params(self) -> None:
+        """Finish every parameter all-gather still in flight (before anything reads or writes parameters
+        outside a forward: the optimizer step, checkpoints, evaluation, teardown)."""
+        pending, self._pending_gathers = self._pending_gathers, []
+        self._wait(pending)
+
     def _make_hook(self, bucket: Bucket, i: int):
         def hook(_: torch.Tensor) -> None:
             if bucket.grad_buf is None:  # a backward that did not go through pre_backward
@@ -233,6 +262,7 @@ class ShardEngine:
         return self._require_sync or self.policy is AccumulationPolicy.PER_MICRO_BATCH
 
     def pre_backward(self) -> None:
+        self.wait_params()
         self._boundary_this_backward = self._require_sync
         self._comm_this_backward = self.communicates_on_next_backward()
         self._next_launch = 0
@@ -284,6 +314,7 @@ class ShardEngine:
 
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
+        self.wait_params()
         accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
         for b in self.binding_for(optimizer).buckets:
             if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
@@ -314,8 +345,12 @@ class ShardEngine:
         buckets = self.binding_for(optimizer).buckets
         for b in buckets:
             b.restore_unused(optimizer.state.get(b.shard_param, {}))
-        works = [b.launch_gather(async_op=True) for b in buckets]
-        C.wait_all(works)
+        for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
+            b.launch_gather(async_op=True)
+        if self.overlap_param_gather:
+            self._pending_gathers += [b for b in buckets if b.stage in (1, 2)]
+        else:
+            self._wait(buckets)
         for b in buckets:
             b.end_window()
         if self.broadcast_buffers and self.total_world > 1:
@@ -383,6 +418,7 @@ class ShardEngine:
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Full weights by parameter name (every alias of a tied weight) that the module itself cannot show:
         fp32 masters of half-precision parameters, and every stage-3 parameter. Collective."""
+        self.wait_params()
         aliases, out = self._aliases(), {}
         for b in self.buckets:
             if b.master is None and b.stage != 3:
@@ -449,6 +485,7 @@ class ShardEngine:
         return rep
 
     def remove_hooks(self) -> None:
+        self.wait_params()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -303,6 +303,8 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full weights; with half-precision parameters the fp32 masters are saved instead (collective)."""
+        if self.engine is not None:
+            self.engine.wait_params()  # a post-step all-gather may still be in flight
         state = self.lightning_module.state_dict()
         released = self.engine is not None and self.engine.controller is not None and self.engine.controller.released
         if self.engine is not None and not released:
