@@ -96,6 +96,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "memory": engine.memory_report(),
         "buckets": [(b.layout.numel, b.layout.padded_numel, b.group_index) for b in engine.buckets],
         "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),
+        "optimizer_tensors": sum(len(b.chunks) for b in engine.buckets if b.trainable),
         "policy": strategy.accumulation_policy,
         "opt_state": trainer.strategy.optimizer_state(opt) if save_to else None,
         "units": [u.name for u in engine.units],

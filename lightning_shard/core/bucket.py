@@ -21,7 +21,7 @@ from .state import GradState, ParamState, param_transition, transition
 class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
                  group_index: Optional[int], *, stage: int, rank: int, world: int, group: Any,
-                 replicate_group: Any = None) -> None:
+                 replicate_group: Any = None, chunk_numel: int = 1 << 20) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.stage, self.rank, self.world, self.group = stage, rank, world, group
@@ -61,6 +61,12 @@ class Bucket:
             self.shard_param = nn.Parameter(self.master)
         else:
             self.shard_param = nn.Parameter(own, requires_grad=self.trainable)  # shares storage
+        # The optimizer sees the shard in chunks (views): element-wise updates are identical, and on CPU an
+        # update over a few MiB at a time stays in cache (3x faster AdamW than one 50 MB tensor, measured).
+        n, step = self.owned_numel, max(1, chunk_numel)
+        self.chunk_ranges = [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+        self.chunks = [nn.Parameter(self.shard_param.data[i:j], requires_grad=self.trainable)
+                       for i, j in self.chunk_ranges]
         self.grad_buf: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
@@ -201,6 +207,8 @@ class Bucket:
             mine = mine.to(self.shard_param.dtype)
         mine.div_(self.total_world)
         self.shard_param.grad = mine
+        for c, (i, j) in zip(self.chunks, self.chunk_ranges):
+            c.grad = mine[i:j]
         self.set_state(GradState.REDUCED)
 
     def wait_param_gather(self) -> None:
@@ -224,7 +232,21 @@ class Bucket:
                                         group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
         return self._param_work
 
-    def protect_unused(self, unused: list[int], state: dict) -> None:
+    # ------------------------------------------------------------------ optimizer state over the chunks
+    def shard_state(self, opt_state: dict) -> dict[str, Any]:
+        """This rank's optimizer state as one flat tensor per key (chunks concatenated; scalars: chunk 0's)."""
+        states = [opt_state.get(c, {}) for c in self.chunks]
+        out: dict[str, Any] = {}
+        for k, v in states[0].items():
+            out[k] = torch.cat([st[k] for st in states]) if torch.is_tensor(v) and v.dim() == 1 else v
+        return out
+
+    def set_shard_state(self, opt_state: dict, flat: dict[str, Any]) -> None:
+        for c, (i, j) in zip(self.chunks, self.chunk_ranges):
+            opt_state[c] = {k: (v[i:j].clone() if torch.is_tensor(v) and v.dim() == 1 else
+                                (v.clone() if torch.is_tensor(v) else v)) for k, v in flat.items()}
+
+    def protect_unused(self, unused: list[int], opt_state: dict) -> None:
         """Remember this rank's elements of parameters no rank used in the window (restored after the step).
 
         torch optimizers skip a parameter whose ``.grad`` is None; a flat shard cannot skip part of itself, so
@@ -233,17 +255,20 @@ class Bucket:
         self._saved = []
         for i in unused:
             slot = self.layout.slots[i]
-            lo, hi = max(slot.offset, self.own_lo), min(slot.end, self.own_hi)
-            if lo >= hi:
-                continue
-            sl = slice(lo - self.own_lo, hi - self.own_lo)
-            st = {k: v[sl].clone() for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
-            self._saved.append((sl, self.shard_param.detach()[sl].clone(), st))
+            lo, hi = max(slot.offset, self.own_lo) - self.own_lo, min(slot.end, self.own_hi) - self.own_lo
+            for c, (ci, cj) in zip(self.chunks, self.chunk_ranges):
+                a, b = max(lo, ci), min(hi, cj)
+                if a >= b:
+                    continue
+                st = {k: v[a - ci:b - ci].clone() for k, v in opt_state.get(c, {}).items()
+                      if torch.is_tensor(v) and v.dim() == 1}
+                self._saved.append((c, slice(a - ci, b - ci), c.detach()[a - ci:b - ci].clone(), st))
 
-    def restore_unused(self, state: dict) -> None:
+    def restore_unused(self, opt_state: dict) -> None:
         with torch.no_grad():
-            for sl, value, st in self._saved:
-                self.shard_param[sl] = value
+            for c, sl, value, st in self._saved:
+                c[sl] = value
+                state = opt_state.get(c, {})
                 for k, v in st.items():
                     if k in state:
                         state[k][sl] = v
@@ -254,6 +279,8 @@ class Bucket:
         """Close the accumulation window after the optimizer step (or a skipped step)."""
         self.used.zero_()
         self.shard_param.grad = None
+        for c in self.chunks:
+            c.grad = None
         self.accum = None
         if self.grad_buf is not None:
             if self.stage >= 2:

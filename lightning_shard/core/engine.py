@@ -65,7 +65,8 @@ class ShardEngine:
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
-                 replicate_group: Any = None, overlap_param_gather: bool = True) -> None:
+                 replicate_group: Any = None, overlap_param_gather: bool = True,
+                 optim_chunk_mb: float = 4.0) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -90,6 +91,9 @@ class ShardEngine:
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.bucket_bytes = int(bucket_mb * 2**20)
+        if not optim_chunk_mb > 0:
+            raise ValueError(f"optim_chunk_mb must be > 0 (MiB of shard per optimizer tensor), got {optim_chunk_mb}")
+        self.chunk_numel = max(1, int(optim_chunk_mb * 2**20) // 4)  # fp32 elements (masters are fp32)
         for opt in optimizers:
             validate_optimizer(opt, allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
@@ -165,7 +169,7 @@ class ShardEngine:
         def make(ui: int) -> None:
             per_unit[ui] = [Bucket(-1, ps, ns, key[0][0] if key[0] else None, key[0][1] if key[0] else None,
                                    stage=3, rank=self.rank, world=self.world, group=self.group,
-                                   replicate_group=self.replicate_group)
+                                   replicate_group=self.replicate_group, chunk_numel=self.chunk_numel)
                             for key, ps, ns in keyed[ui]]
 
         d = self.deferred
@@ -210,7 +214,8 @@ class ShardEngine:
             if sizes[key] >= self.bucket_bytes:
                 del open_buckets[key]
         return [Bucket(i, ps, [names[id(p)] for p in ps], key[0], key[1], stage=self.stage, rank=self.rank,
-                       world=self.world, group=self.group, replicate_group=self.replicate_group)
+                       world=self.world, group=self.group, replicate_group=self.replicate_group,
+                       chunk_numel=self.chunk_numel)
                 for i, (key, ps) in enumerate(ordered)]
 
     def _register_gather_waits(self) -> list[Any]:
@@ -338,13 +343,13 @@ class ShardEngine:
             local = mask[off:off + len(b.params)]
             off += len(b.params)
             unused = [i for i in range(len(b.params)) if local[i] == 0]
-            b.protect_unused(unused, optimizer.state.get(b.shard_param, {}))
+            b.protect_unused(unused, optimizer.state)
 
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
         buckets = self.binding_for(optimizer).buckets
         for b in buckets:
-            b.restore_unused(optimizer.state.get(b.shard_param, {}))
+            b.restore_unused(optimizer.state)
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.launch_gather(async_op=True)
         if self.overlap_param_gather:

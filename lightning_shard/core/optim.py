@@ -63,7 +63,7 @@ class OptimizerBinding:
     def rebind(self, buckets: list[Bucket]) -> None:
         self.buckets = [b for b in buckets if b.opt_index == self.index]
         for gi, group in enumerate(self.optimizer.param_groups):
-            group["params"] = [b.shard_param for b in self.buckets if b.group_index == gi]
+            group["params"] = [c for b in self.buckets if b.group_index == gi for c in b.chunks]
 
     def orig_index(self) -> dict[int, int]:
         """``id(param) -> index`` in torch's state_dict numbering."""
@@ -80,7 +80,7 @@ class OptimizerBinding:
         index = self.orig_index()
         state: dict[int, dict[str, Any]] = {}
         for b in self.buckets:
-            shard_state = self.optimizer.state.get(b.shard_param, {})
+            shard_state = b.shard_state(self.optimizer.state)
             keys = sorted(C.all_gather_object(sorted(shard_state.keys()), b.group)[0]) if b.stage else sorted(shard_state)
             full: dict[str, Any] = {}
             for k in keys:
@@ -135,7 +135,7 @@ class OptimizerBinding:
                     new[k] = flat[b.own_lo:b.own_hi].clone()
                 else:
                     new[k] = sample.clone().to(b.device) if torch.is_tensor(sample) else sample
-            self.optimizer.state[b.shard_param] = new
+            b.set_shard_state(self.optimizer.state, new)
 
 
 def _gather_flat(b: Bucket, v: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``topology``      preset name (``conf/topology``), capture file, or ``"detect"``: used by ``shard_size="auto"`` and by
                   the placement check at setup (a warning when traffic crosses slow links needlessly).
 ``strict_placement``  make that warning an error.
+``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
+                  cache-friendly on CPU. ``overlap_param_gather``: zero1/zero2 all-gather updated parameters in
+                  the background after the step; each module waits for its own bucket in its forward (default True).
 ``find_unused_parameters``  leave parameters that got no gradient on any rank in a window untouched by the step,
                   exactly as torch does for ``grad=None`` (costs one small all-reduce per step). Off (default),
                   they step with a zero gradient, so momentum/weight decay still move them (as DDP does).
@@ -54,7 +57,8 @@ from .precision import ShardedPrecision
 log = logging.getLogger(__name__)
 
 BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
-         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "shard_size",
+         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
+         "overlap_param_gather", "shard_size",
          "topology", "strict_placement", "accelerator", "parallel_devices",
          "cluster_environment", "checkpoint_io", "precision_plugin")
 ACCUMULATION = ("auto", "defer", "per_micro_batch")  # zero0/1/2; zero3 adds its own (strategies/zero3.py)
@@ -73,7 +77,8 @@ class ZeroStrategy(ParallelStrategy):
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
-                 find_unused_parameters: bool = False, shard_size: Union[None, int, str] = None,
+                 find_unused_parameters: bool = False, optim_chunk_mb: float = 4.0,
+                 overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
                  topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Optional[Precision] = None, **unknown: Any) -> None:
@@ -110,6 +115,9 @@ class ZeroStrategy(ParallelStrategy):
         self.bucket_mb, self.reduce_dtype, self.overlap = float(bucket_mb), reduce_dtype, overlap
         self.broadcast_buffers, self.allow_custom_optimizer = broadcast_buffers, allow_custom_optimizer
         self.find_unused_parameters = find_unused_parameters
+        if not (isinstance(optim_chunk_mb, (int, float)) and optim_chunk_mb > 0):
+            raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {optim_chunk_mb!r}")
+        self.optim_chunk_mb, self.overlap_param_gather = float(optim_chunk_mb), overlap_param_gather
         self.shard_size, self.topology_spec, self.strict_placement = shard_size, topology, strict_placement
         self._groups = Groups()
         self.placement_warning: Optional[str] = None
@@ -219,7 +227,9 @@ class ZeroStrategy(ParallelStrategy):
                                       allow_custom_optimizer=self.allow_custom_optimizer,
                                       find_unused_parameters=self.find_unused_parameters,
                                       units=self._unit_config(), deferred=self._deferred_init(),
-                                      group=self._groups.shard, replicate_group=self._groups.replicate)
+                                      group=self._groups.shard, replicate_group=self._groups.replicate,
+                                      optim_chunk_mb=self.optim_chunk_mb,
+                                      overlap_param_gather=self.overlap_param_gather)
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
