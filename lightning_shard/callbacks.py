@@ -169,3 +169,84 @@ class CommSummary(Callback):
             "final_val_loss": self.val_losses[-1][1] if self.val_losses else math.nan,
             "final_val_step": self.val_losses[-1][0] if self.val_losses else -1,
         }
+
+
+def _memory_report(trainer: pl.Trainer) -> Optional[dict[str, int]]:
+    report = getattr(getattr(trainer.strategy, "engine", None), "memory_report", None)
+    return {k: int(v) for k, v in report().items()} if callable(report) else None
+
+
+class ShardMetrics(Callback):
+    """Per optimizer step, to every Lightning logger (CSV, TensorBoard ...), rank 0's view:
+
+    - ``comm/<op>[<group>]``: ledger wire bytes of that collective and process group in the step
+      (e.g. ``comm/reduce_scatter[shard]``, ``comm/all_reduce[replicate]``), and ``comm/total``;
+    - ``mem/<key>``: ``engine.memory_report()`` bytes (params, grads, master, optimizer_state ...), read at
+      the end of the step; ``mem/gathered_params_peak`` is the largest ``gathered_params`` sampled after
+      forward, before the optimizer step and at the end of the step (full parameters held by ZeRO-3/FSDP units);
+    - ``mem/cuda_max_allocated`` (CUDA) or ``mem/rss`` (CPU, needs psutil): process memory.
+
+    ``every_n_steps`` thins the logging on long runs; the ledger is read whatever the interval.
+    """
+
+    def __init__(self, every_n_steps: int = 1, process_memory: bool = True) -> None:
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self.process_memory = process_memory
+        self._mark: Optional[int] = None
+        self._step_at_start = 0
+        self._gathered_peak = 0
+        self.last: dict[str, float] = {}
+
+    def _sample_gathered(self, trainer: pl.Trainer) -> None:
+        mem = _memory_report(trainer)
+        if mem is not None:
+            self._gathered_peak = max(self._gathered_peak, mem.get("gathered_params", 0))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._mark is None and LEDGER is not None:
+            self._mark = LEDGER.mark()
+        self._step_at_start = trainer.global_step
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._sample_gathered(trainer)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._sample_gathered(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._step_at_start:
+            return  # inside an accumulation window
+        entries = LEDGER.since(self._mark) if LEDGER is not None and self._mark is not None else []
+        self._mark = None
+        self._sample_gathered(trainer)
+        peak, self._gathered_peak = self._gathered_peak, 0
+        if trainer.global_step % self.every_n_steps:
+            return
+        metrics: dict[str, float] = {}
+        total = 0.0
+        for (op, group), row in (Ledger.summarize(entries) if Ledger is not None else {}).items():
+            metrics[f"comm/{op}[{group}]"] = float(row["wire_bytes"])
+            total += float(row["wire_bytes"])
+        metrics["comm/total"] = total
+        mem = _memory_report(trainer)
+        if mem is not None:
+            metrics.update({f"mem/{k}": float(v) for k, v in mem.items() if not k.endswith("_elements")})
+        metrics["mem/gathered_params_peak"] = float(peak)
+        if self.process_memory:
+            metrics.update(self._process_memory(pl_module))
+        self.last = metrics
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+
+    @staticmethod
+    def _process_memory(pl_module: pl.LightningModule) -> dict[str, float]:
+        if pl_module.device.type == "cuda":
+            return {"mem/cuda_max_allocated": float(torch.cuda.max_memory_allocated(pl_module.device))}
+        try:
+            import psutil
+        except ImportError:
+            return {}
+        return {"mem/rss": float(psutil.Process().memory_info().rss)}

@@ -1,26 +1,44 @@
 """Hydra entry point: ``python -m lightning_shard.train [overrides]`` (the only module that imports Hydra).
 
-Composes ``conf/train.yaml`` (strategy x recipe x trainer), derives ``accumulate_grad_batches`` from the
-recipe's global and micro batch sizes and the launch shape, fits, and prints a summary table on rank 0.
+Composes ``conf/train.yaml`` (strategy x topology x recipe x trainer x logger x callbacks), checks it before
+any rank is launched (``lightning_shard.app.checks``), derives ``accumulate_grad_batches`` from the recipe's
+global and micro batch sizes and the world size the topology gives, fits, prints a summary table on rank 0
+and writes ``summary.json`` in the run folder. ``-m`` sweeps run each job in a fresh process (Lightning's
+subprocess launcher re-runs ``sys.argv``, which in a sweep would start the whole sweep again) and end with
+``report.md`` / ``report.png`` in the sweep folder (:class:`SweepReport`).
+
+Errors in the config (unknown group option, unknown key, wrong type, impossible batch) are reported by
+:func:`main` in one line naming the key and the fix, with exit status 2, before Hydra or Lightning start.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import hydra
 import lightning as L
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
+from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from omegaconf import DictConfig, OmegaConf
 
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-
-from lightning_shard.batching import derive_accumulation
+from lightning_shard.app.checks import ConfigError, check_all, did_you_mean
+from lightning_shard.app.launch import topology_fact
+from lightning_shard.app.report import write_report, write_summary
+from lightning_shard.app.schema import SCHEMAS
 from lightning_shard.callbacks import CommSummary
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 REQUIRED_KEYS = (
     "seed", "threads_per_rank", "val_every_n_steps",
     "strategy._target_",
@@ -30,34 +48,70 @@ REQUIRED_KEYS = (
 )
 # Trainer kwargs that train.py sets itself; a trainer config that sets them would type things twice.
 _OWNED_TRAINER_KEYS = ("strategy", "accumulate_grad_batches", "callbacks", "logger")
+_CHECKED_SECTIONS = ("strategy", "recipe", "trainer", "topology")
 
 
+# ---------------------------------------------------------------------------------------------- registration
+def _topo_resolver(fact: str, *, _root_: DictConfig) -> Any:
+    node = OmegaConf.to_container(_root_.topology, resolve=True)
+    return topology_fact(node, fact)
+
+
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore and register the ``ls.topo`` resolver (idempotent)."""
+    cs = ConfigStore.instance()
+    for group, nodes in SCHEMAS.items():
+        for name, node in nodes.items():
+            cs.store(group=group, name=name, node=node, provider="lightning_shard")
+    OmegaConf.register_new_resolver("ls.topo", _topo_resolver, replace=True)
+
+
+register()
+
+
+# ---------------------------------------------------------------------------------------------- checks
 def check_config(cfg: DictConfig) -> int:
     """Validate ``cfg`` before any process starts; return the derived ``accumulate_grad_batches``."""
     missing = [k for k in REQUIRED_KEYS if OmegaConf.select(cfg, k, default=None) is None]
     if missing:
-        raise ValueError(f"config is missing required keys {missing}; set them in conf/ or on the command "
-                         f"line, e.g. {missing[0]}=...")
+        raise ConfigError(f"config is missing required keys {missing}; set them in conf/ or on the command "
+                          f"line, e.g. {missing[0]}=...")
     owned = [k for k in _OWNED_TRAINER_KEYS if k in cfg.trainer]
     if owned:
-        raise ValueError(f"trainer.{owned[0]} is set by lightning_shard.train, not by the trainer config; "
-                         f"remove {['trainer.' + k for k in owned]} (accumulation is derived from "
-                         f"recipe.global_batch_size / (recipe.micro_batch_size * world_size))")
-    devices, num_nodes = cfg.trainer.devices, cfg.trainer.num_nodes
-    if not isinstance(devices, int) or not isinstance(num_nodes, int):
-        raise ValueError(f"trainer.devices and trainer.num_nodes must be integers to derive the world size, got "
-                         f"devices={devices!r}, num_nodes={num_nodes!r}; e.g. trainer.devices=2 trainer.num_nodes=1")
-    return derive_accumulation(cfg.recipe.global_batch_size, cfg.recipe.micro_batch_size, devices * num_nodes)
+        raise ConfigError(f"trainer.{owned[0]} is set by lightning_shard.train, not by the trainer config; "
+                          f"remove {['trainer.' + k for k in owned]} (accumulation is derived from "
+                          f"recipe.global_batch_size / (recipe.micro_batch_size * world_size))")
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in _CHECKED_SECTIONS}
+    islands = topology_fact(plain["topology"], "islands_per_node")
+    return check_all(plain, islands)
 
 
 def build_trainer_kwargs(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
-    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None
+              or k in ("val_check_interval", "check_val_every_n_epoch")}
     if kwargs.get("val_check_interval") is None:
         kwargs["val_check_interval"] = int(cfg.val_every_n_steps) * accumulate
     kwargs["accumulate_grad_batches"] = accumulate
     return kwargs
 
 
+def build_callbacks(cfg: DictConfig) -> list[Any]:
+    out = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        cb = instantiate(node, _convert_="all")
+        if isinstance(cb, ProgressBar) and not cfg.trainer.enable_progress_bar:
+            continue  # Lightning refuses a progress-bar callback with enable_progress_bar=False
+        out.append(cb)
+    return out
+
+
+def build_loggers(cfg: DictConfig) -> list[Any]:
+    return [instantiate(node, _convert_="all") for node in (cfg.get("logger") or {}).values() if node is not None]
+
+
+# ---------------------------------------------------------------------------------------------- summary
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -77,6 +131,7 @@ def print_summary(s: dict[str, Any]) -> None:
     ledger_note = "" if s["ledger_available"] else " (no ledger)"
     rows = [
         ("strategy", s["strategy"]),
+        ("topology / recipe", f"{s.get('topology', '-')} / {s.get('recipe', '-')}"),
         ("accumulation policy", s["accumulation_policy"]),
         ("world size", str(s["world_size"])),
         ("accumulate_grad_batches", str(s["accumulate_grad_batches"])),
@@ -90,42 +145,72 @@ def print_summary(s: dict[str, Any]) -> None:
     # keys ending in "_elements" are counts (e.g. padding_elements), the others bytes
     rows += [(f"  {k}", f"{v:,}" if k.endswith("_elements") else _fmt_bytes(v))
              for k, v in mem.items() if k != "total"]
+    unit = s.get("throughput_unit", "tokens")
     rows += [
         ("train time (excl. validation)", f"{s['train_time_s']:.1f} s"),
-        ("tokens / s (all ranks)", f"{s['tokens_per_s']:,.0f}"),
+        (f"{unit} / s (all ranks)", f"{s['tokens_per_s']:,.0f}"),
         ("first train loss (rank 0)", f"{s['first_train_loss']:.4f}"),
         ("last train loss (rank 0)", f"{s['last_train_loss']:.4f}"),
         (f"final val loss (step {s['final_val_step']})", f"{s['final_val_loss']:.4f}"),
     ]
+    rows += [(f"final {k}", f"{v:.4f}") for k, v in sorted(s.get("val_metrics", {}).items()) if k != "val_loss"]
     for name, value in rows:
-        table.add_row(escape(name), escape(value))  # "op[group]" is not rich markup
+        table.add_row(escape(name), escape(str(value)))  # "op[group]" is not rich markup
     Console().print(table)
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> dict[str, Any]:
-    accumulate = check_config(cfg)  # before any rank is launched
+def _choices() -> dict[str, str]:
+    if not HydraConfig.initialized():
+        return {}
+    return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items() if v is not None}
+
+
+def full_summary(comm: CommSummary, trainer: L.Trainer, module: Any, cfg: DictConfig,
+                 choices: dict[str, str], wall_s: float) -> dict[str, Any]:
+    s = comm.summary(trainer)
+    s.update({
+        "strategy_config": choices.get("strategy", s["strategy"]),
+        "topology": choices.get("topology", OmegaConf.select(cfg, "topology.name", default="-")),
+        "recipe": cfg.recipe.name,
+        "seed": int(cfg.seed),
+        "throughput_unit": getattr(module, "throughput_unit", "tokens"),
+        "step_losses": list(comm.step_losses),
+        "val_losses": [list(v) for v in comm.val_losses],
+        "val_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
+        "placement_warning": getattr(trainer.strategy, "placement_warning", None),
+        "wall_time_s": wall_s,
+    })
+    return s
+
+
+# ---------------------------------------------------------------------------------------------- run
+def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
     threads = int(cfg.threads_per_rank)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # also stops Lightning's launchers from resetting threads
     torch.set_num_threads(threads)
     L.seed_everything(cfg.seed, workers=True)
 
-    strategy = instantiate(cfg.strategy)
+    strategy = instantiate(cfg.strategy, _convert_="all")
     datamodule = instantiate(cfg.recipe.data, micro_batch_size=cfg.recipe.micro_batch_size, seed=cfg.seed,
                              _convert_="all")
     module = instantiate(cfg.recipe.model, _convert_="all")
 
     comm = CommSummary()
-    loggers: Any = False
-    if cfg.logger.csv:
-        from lightning.pytorch.loggers import CSVLogger
-        loggers = CSVLogger(save_dir=HydraConfig.get().runtime.output_dir, name=cfg.logger.name)
-    trainer = L.Trainer(strategy=strategy, callbacks=[comm], logger=loggers,
+    loggers = build_loggers(cfg)
+    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg)], logger=loggers or False,
                         **build_trainer_kwargs(cfg, accumulate))
+    out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+    choices = _choices()
     if isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
         # fork/spawn: fit runs in worker processes and this process gets none of the figures back, so
         # rank 0's worker prints the table at the end of fit (no extra final validation in this mode).
-        comm.on_fit_end_fn = print_summary
+        def report(_: dict) -> None:
+            s = full_summary(comm, trainer, module, cfg, choices, time.perf_counter() - t0)
+            print_summary(s)
+            write_summary(out_dir, s)
+
+        comm.on_fit_end_fn = report
         trainer.fit(module, datamodule=datamodule)
         return {}
     trainer.fit(module, datamodule=datamodule)
@@ -133,11 +218,150 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if cfg.final_validation and last_val_step != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
 
-    summary = comm.summary(trainer)
+    summary = full_summary(comm, trainer, module, cfg, choices, time.perf_counter() - t0)
     if trainer.is_global_zero:
         print_summary(summary)
+        write_summary(out_dir, summary)
     return summary
 
 
+def run_isolated() -> dict[str, Any]:
+    """One job of a ``-m`` sweep, in a fresh process: the job's own overrides, the job's folder as run dir."""
+    hc = HydraConfig.get()
+    out = hc.runtime.output_dir
+    cmd = [sys.executable, "-m", "lightning_shard.train", *hc.overrides.task, f"hydra.run.dir={out}",
+           "hydra.output_subdir=null", "hydra.job.name=run"]
+    env = {**os.environ, "LIGHTNING_SHARD_PREFLIGHT": "0"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):  # a fresh launch for every job
+        env.pop(key, None)
+    rc = subprocess.call(cmd, env=env, cwd=hc.runtime.cwd)
+    if rc != 0:
+        raise RuntimeError(f"sweep job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit status {rc}; "
+                           f"logs in {out}")
+    return {"output_dir": out}
+
+
+class SweepReport(HydraCallback):
+    """Writes ``report.md`` and ``report.png`` in the sweep folder when a ``-m`` run ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        paths = write_report(config.hydra.sweep.dir)
+        if paths is not None:
+            print(f"sweep report: {paths[0]} and {paths[1]}")
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
+    accumulate = check_config(cfg)  # before any rank is launched
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return run_isolated()
+    return fit(cfg, accumulate)
+
+
+# ---------------------------------------------------------------------------------------------- preflight
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def explain(err: BaseException, overrides: Sequence[str]) -> str:
+    """One message naming the key and the fix, for an exception raised while composing ``overrides``."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(err, ConfigError):
+        return str(err)
+    chain, e = [], err
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, MissingConfigException):
+            missing = (e.missing_cfg_file or "").strip("/")
+            group, _, option = missing.rpartition("/")
+            options = list(e.options or []) or _group_options(group)
+            if group:
+                return (f"{group}={option}: no such option in conf/{group}/{did_you_mean(option, options)}; "
+                        f"choose one of: {', '.join(options)}")
+            return str(e).splitlines()[0]
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            key = e.full_key
+            parent, _, leaf = key.rpartition(".")
+            base = _compose([o for o in overrides if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")])
+            node = OmegaConf.select(base, parent) if parent else base
+            if isinstance(e, ConfigKeyError) or "not in" in str(e.msg if hasattr(e, "msg") else e):
+                valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+                valid = [k for k in valid if k != "hydra"]
+                return (f"{key}: no such key{did_you_mean(leaf, valid)}; valid keys of "
+                        f"{parent or 'the config'}: {', '.join(valid)}")
+            if isinstance(e, ValidationError):
+                current = OmegaConf.select(base, key, default=None, throw_on_resolution_failure=False)
+                first = str(getattr(e, "msg", e)).splitlines()[0]
+                return f"{key}: {first}; give a value of the schema's type, e.g. {key}={current!r}"
+            return f"{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def sweep_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Every job's override list, as Hydra's basic sweeper would build them (config sweeper params included)."""
+    if not multirun:
+        return [list(overrides)]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    plain = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
+    base = _compose(plain)
+    params = OmegaConf.select(base, "hydra.sweeper.params", default=None) or {}
+    from_config = [f"{k}={v}" for k, v in params.items()]
+    batches = BasicSweeper.split_arguments(parser.parse_overrides(from_config + list(overrides)), None)
+    return [job for batch in batches for job in batch]
+
+
+def preflight(argv: Sequence[str]) -> Optional[str]:
+    """Compose and check every job ``argv`` describes; return an error message, or None when all is well."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.config_dir \
+            or args.config_name or args.config_path or args.experimental_rerun:
+        return None  # Hydra's own modes: let Hydra answer
+    try:
+        jobs = sweep_combinations(args.overrides, args.multirun)
+        for job in jobs:
+            check_config(_compose(job))
+    except Exception as err:  # noqa: BLE001 - every failure becomes one explained line
+        try:
+            return explain(err, args.overrides)
+        except Exception:  # noqa: BLE001
+            return f"{type(err).__name__}: {err}"
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lightning_shard.train`` / ``lightning-shard train``: preflight, then Hydra."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("LOCAL_RANK") in (None, "0") and os.environ.get("LIGHTNING_SHARD_PREFLIGHT", "1") != "0":
+        error = preflight(argv)
+        if error is not None:
+            print(f"lightning_shard.train: error: {error}", file=sys.stderr)
+            return 2
+    sys.argv = [sys.argv[0], *argv]
+    _hydra_main()
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -82,10 +82,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         trainer.save_checkpoint(save_to)
     engine = trainer.strategy.engine
     opt = trainer.optimizers[0]
-    if engine.controller is not None:  # full weights, gathered (the module itself holds empty placeholders)
-        module_state = trainer.strategy.lightning_module_state_dict()
-    else:
-        module_state = module.state_dict()
+    module_state = trainer.strategy.full_state_dict()  # gathered where the module holds shards
     return {
         "state": {k: v.detach().clone() for k, v in module_state.items()},
         "norms": module.grad_norms,
@@ -96,6 +93,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "memory": engine.memory_report(),
         "buckets": [(b.layout.numel, b.layout.padded_numel, b.group_index) for b in engine.buckets],
         "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),
+        "param_dtype": next(module.parameters()).dtype,
         "optimizer_tensors": sum(len(b.chunks) for b in engine.buckets if b.trainable),
         "policy": strategy.accumulation_policy,
         "opt_state": trainer.strategy.optimizer_state(opt) if save_to else None,

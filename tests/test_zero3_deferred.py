@@ -61,7 +61,7 @@ class _Snapshot(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._stop = True
         self._thread.join()
-        self.weights = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.weights = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
 
 
 def deferred_setup(deferred: bool, steps: int, strategy: str = "zero3") -> dict[str, Any]:
@@ -75,7 +75,7 @@ def deferred_setup(deferred: bool, steps: int, strategy: str = "zero3") -> dict[
                         enable_model_summary=False, callbacks=[snap])
     data = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(1))
     trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
-    final = trainer.strategy.lightning_module_state_dict()
+    final = trainer.strategy.full_state_dict()
     return {"init": snap.weights, "final": final, "growth": snap.peak - snap.base,
             "full_bytes": sum(v.numel() * v.element_size() for v in snap.weights.values())}
 

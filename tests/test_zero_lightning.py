@@ -173,16 +173,23 @@ def test_manual_optimization_toggle_model(worlds):
                 assert entries == [], f"manual micro-batch {i} communicated {entries}"
 
 
+@pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_full_checkpoint_resume_is_exact(worlds, tmp_path, stage):
-    """ModelCheckpoint (rank 0 writes a gathered full state) at the end of epoch 1 of 2; resuming from it ends
-    bitwise equal to the uninterrupted run. One epoch = 3 optimizer steps of 3 micro-batches."""
+def test_checkpoint_resume_is_exact(worlds, tmp_path, stage, kind):
+    """ModelCheckpoint at the end of epoch 1 of 2; resuming from it ends bitwise equal to the uninterrupted
+    run. One epoch = 3 optimizer steps of 3 micro-batches. Both formats hold torch's plain optimizer state."""
     world, acc = 2, 3
-    kw = dict(optimizer="adam", data_steps=3)
+    kw = dict(optimizer="adam", data_steps=3, strategy_kwargs={"state_dict_type": kind})
     straight = worlds(world).run(fit_zero, stage, "defer", acc, steps=6, ckpt_dir=str(tmp_path), **kw)
     ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
-    saved = torch.load(ckpt, weights_only=False)
-    # the optimizer state on disk is torch's plain per-parameter format, loadable without sharding
+    if kind == "full":
+        saved = torch.load(ckpt, weights_only=False)
+    else:
+        from lightning_shard.core.checkpoint import Reader
+        from lightning_shard.core.consolidate import lightning_checkpoint
+
+        assert (tmp_path / "epoch=0-step=3.ckpt" / "meta.json").is_file()
+        saved = lightning_checkpoint(Reader(ckpt))
     plain = ZooModule("adam").configure_optimizers()
     plain.load_state_dict(saved["optimizer_states"][0])
     assert len(plain.state) == sum(1 for p in ZooModule().parameters() if p.requires_grad)
@@ -199,7 +206,7 @@ def test_auto_policy_is_logged_and_resolved(worlds):
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
 def test_half_true_resume_keeps_fp32_masters(worlds, tmp_path, precision):
     """bf16-true/16-true keep fp32 masters; the checkpoint stores them (fp32), so resuming is exact too."""
-    kw = dict(optimizer="sgd", data_steps=3, precision=precision, bn=False)
+    kw = dict(optimizer="sgd", data_steps=3, precision=precision, bn=False, strategy_kwargs={"state_dict_type": "full"})
     straight = worlds(2).run(fit_zero, 2, "per_micro_batch", 3, steps=6, ckpt_dir=str(tmp_path), **kw)
     ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
     saved = torch.load(ckpt, weights_only=False)
@@ -208,6 +215,7 @@ def test_half_true_resume_keeps_fp32_masters(worlds, tmp_path, precision):
         assert saved["ShardedPrecision"]["loss_scaler"]["scale"] > 0
     resumed = worlds(2).run(fit_zero, 2, "per_micro_batch", 3, steps=6, resume_from=ckpt, **kw)
     for a, b in zip(straight, resumed):
-        assert a["state"]["net.lin1.weight"].dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float16)
+        assert a["param_dtype"] == (torch.bfloat16 if precision == "bf16-true" else torch.float16)
+        assert a["state"]["net.lin1.weight"].dtype == torch.float32  # full_state_dict() gives the fp32 masters
         assert max_diff(params_of(a["state"]), params_of(b["state"])) == 0.0
         assert a["memory"]["master"] > 0

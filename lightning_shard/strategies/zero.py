@@ -23,6 +23,8 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``topology``      preset name (``conf/topology``), capture file, or ``"detect"``: used by ``shard_size="auto"`` and by
                   the placement check at setup (a warning when traffic crosses slow links needlessly).
 ``strict_placement``  make that warning an error.
+``state_dict_type``  ``"sharded"`` (default: each rank writes its shards into a checkpoint directory, committed
+                  atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.
 ``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
                   cache-friendly on CPU. ``overlap_param_gather``: zero1/zero2 all-gather updated parameters in
                   the background after the step; each module waits for its own bucket in its forward (default True).
@@ -51,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..core import collectives as C
 from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
+from .checkpointing import CheckpointMixin, STATE_DICT_TYPES
 from .layout import Groups, check_job_placement, make_groups, resolve_topology, validate_shard_size
 from .precision import ShardedPrecision
 
@@ -58,6 +61,7 @@ log = logging.getLogger(__name__)
 
 BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
          "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
+         "state_dict_type",
          "overlap_param_gather", "shard_size",
          "topology", "strict_placement", "accelerator", "parallel_devices",
          "cluster_environment", "checkpoint_io", "precision_plugin")
@@ -65,7 +69,7 @@ ACCUMULATION = ("auto", "defer", "per_micro_batch")  # zero0/1/2; zero3 adds its
 START_METHODS = ("popen", "fork", "spawn", "forkserver")
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
@@ -77,7 +81,7 @@ class ZeroStrategy(ParallelStrategy):
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
-                 find_unused_parameters: bool = False, optim_chunk_mb: float = 4.0,
+                 find_unused_parameters: bool = False, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
                  overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
                  topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
@@ -118,6 +122,10 @@ class ZeroStrategy(ParallelStrategy):
         if not (isinstance(optim_chunk_mb, (int, float)) and optim_chunk_mb > 0):
             raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {optim_chunk_mb!r}")
         self.optim_chunk_mb, self.overlap_param_gather = float(optim_chunk_mb), overlap_param_gather
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type must be one of {STATE_DICT_TYPES}, got {state_dict_type!r}")
+        self.state_dict_type = state_dict_type
+        self._reader: Any = None
         self.shard_size, self.topology_spec, self.strict_placement = shard_size, topology, strict_placement
         self._groups = Groups()
         self.placement_warning: Optional[str] = None
@@ -309,45 +317,6 @@ class ZeroStrategy(ParallelStrategy):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return C.broadcast_object(obj, src)
-
-    # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights; with half-precision parameters the fp32 masters are saved instead (collective)."""
-        if self.engine is not None:
-            self.engine.wait_params()  # a post-step all-gather may still be in flight
-        state = self.lightning_module.state_dict()
-        released = self.engine is not None and self.engine.controller is not None and self.engine.controller.released
-        if self.engine is not None and not released:
-            state.update(self.engine.gather_full())
-        return state
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        self.lightning_module.load_state_dict(state, strict=strict)
-        if self.precision_plugin.precision not in ("bf16-true", "16-true"):
-            return
-        names = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
-        masters = {n: v for n, v in state.items() if n in names and v.dtype == torch.float32}
-        if self.engine is not None:
-            self.engine.load_full(masters, masters_only=True)
-        else:
-            self._masters_from_checkpoint = masters
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.engine is None:
-            return optimizer.state_dict()
-        return self.engine.binding_for(getattr(optimizer, "_optimizer", optimizer)).full_state_dict()
-
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(f"checkpoint holds {len(states)} optimizer states, the model configured "
-                             f"{len(self.optimizers)} optimizers")
-        for optimizer, state in zip(self.optimizers, states):
-            if self.engine is None:
-                optimizer.load_state_dict(state)
-            else:
-                self.engine.binding_for(optimizer).load_full_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
 
     def teardown(self) -> None:
         if self.engine is not None:

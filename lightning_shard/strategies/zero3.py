@@ -39,7 +39,7 @@ class _GatheringLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         module = trainer.lightning_module
-        full = trainer.strategy.lightning_module_state_dict()  # collective: every rank takes part
+        full = trainer.strategy.full_state_dict()  # collective: every rank takes part
         module.state_dict = lambda *args, **kwargs: full
         try:
             return super()._collect_rank_zero_results(trainer, results)
@@ -170,22 +170,6 @@ class Zero3Strategy(ZeroStrategy):
         if self.engine is not None and self.engine.controller is not None and not interrupted:
             self.engine.controller.release_to_module()  # the plain module works after fit (collective)
         super().teardown()
-
-    # ------------------------------------------------------------------ checkpoints: full weights, gathered
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self.engine is None:
-            return super().load_model_state_dict(checkpoint, strict)
-        state = checkpoint["state_dict"]
-        missing = self.engine.load_full(state)
-        sharded = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
-        rest = {k: v for k, v in state.items() if k not in sharded}
-        result = self.lightning_module.load_state_dict(rest, strict=False)  # buffers
-        if strict:
-            unexpected = [k for k in result.unexpected_keys]
-            missing_buffers = [k for k in result.missing_keys if k not in sharded]
-            if missing or unexpected or missing_buffers:
-                raise ValueError(f"checkpoint does not match the model: missing {missing + missing_buffers}, "
-                                 f"unexpected {unexpected}. Was it written for another model?")
 
 
 class FSDPShardStrategy(Zero3Strategy):

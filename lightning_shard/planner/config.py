@@ -1,0 +1,129 @@
+"""What the planner is asked about: a strategy configuration and a job (world, batch, precision).
+
+``StrategyConfig`` mirrors the registered strategies' knobs (``strategies/zero.py``, ``strategies/zero3.py``)
+without importing Lightning; ``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
+    "32-true": (torch.float32, 4, False),
+    "bf16-mixed": (torch.float32, 2, False),
+    "16-mixed": (torch.float32, 2, True),
+    "bf16-true": (torch.bfloat16, 2, False),
+    "16-true": (torch.float16, 2, True),
+}
+POLICIES = {0: ("defer",), 1: ("defer",), 2: ("defer", "per_micro_batch"),
+            3: ("per_micro_batch", "keep_unsharded_grads", "keep_params")}
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {sorted(PRECISIONS)} (Trainer(precision=...))")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    strategy: str  # registered name: zero0 | zero1 | zero2 | zero3 | fsdp_shard
+    stage: int
+    policy: str = "defer"
+    reshard_after_forward: bool = True
+    shard_size: Optional[int] = None  # hybrid: ranks per shard group (None: shard over the world)
+    wrap_classes: Any = None  # fsdp_shard
+    min_params: Optional[int] = None
+    bucket_mb: float = 25.0
+    prefetch_depth: int = 1
+    reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES[self.stage] and not (self.stage == 3 and self.policy == "defer"):
+            raise ValueError(f"accumulation policy {self.policy!r} does not exist for stage {self.stage}: "
+                             f"use one of {POLICIES[self.stage]}")
+
+    @property
+    def granularity(self) -> str:
+        return "fsdp" if self.strategy.startswith("fsdp") else "zero3"
+
+    @property
+    def per_micro_batch(self) -> bool:
+        return self.policy == "per_micro_batch"
+
+    @property
+    def label(self) -> str:
+        name = self.strategy + ("_hybrid" if self.shard_size else "")
+        extra = "" if self.stage < 3 or self.reshard_after_forward else ", no reshard"
+        return f"{name} ({self.policy}{extra})"
+
+    def kwargs(self) -> dict[str, Any]:
+        """Knobs for the registered strategy class (``shard_size``/``topology`` filled by the caller)."""
+        out: dict[str, Any] = {"accumulation": self.policy}
+        if self.stage < 3:
+            out["bucket_mb"] = self.bucket_mb
+        else:
+            out["reshard_after_forward"] = self.reshard_after_forward
+            out["prefetch_depth"] = self.prefetch_depth
+        if self.strategy.startswith("fsdp"):
+            out["wrap_classes"] = self.wrap_classes if self.wrap_classes is not None else "auto"
+            if self.min_params is not None:
+                out["min_params"] = self.min_params
+        if self.shard_size:
+            out["shard_size"] = self.shard_size
+        return out
+
+    def with_(self, **changes: Any) -> "StrategyConfig":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Job:
+    world: int
+    micro_batch: int = 1  # samples per rank per forward/backward
+    accumulation: int = 1  # micro-batches per optimizer step
+    seq: int = 1  # tokens per sample (1 for non-sequence models)
+    precision: str = "32-true"
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    clip: bool = False  # gradient clipping by norm (one 0-dim all-reduce per step)
+    optimizer: str = "adam"  # adam | sgd | sgd_momentum: state bytes per element
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def act_bytes(self) -> int:
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def loss_scaling(self) -> bool:
+        return PRECISIONS[self.precision][2]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.world * self.micro_batch * self.accumulation * self.seq
+
+
+def batch_split(global_batch: int, micro_batch: int, world: int) -> int:
+    """Accumulation steps from the global batch (DESIGN.md house rule 8: derived, never typed twice)."""
+    if global_batch < 1 or micro_batch < 1 or world < 1:
+        raise ValueError(f"global batch ({global_batch}), micro-batch ({micro_batch}) and world size ({world}) must "
+                         "be positive")
+    per_pass = micro_batch * world
+    if global_batch % per_pass:
+        lo = max(per_pass, global_batch // per_pass * per_pass)
+        fits = [m for m in range(1, micro_batch + 1) if global_batch % (m * world) == 0]
+        raise ValueError(
+            f"global batch {global_batch} is not divisible into micro-batches of {micro_batch} on {world} ranks: "
+            f"{global_batch} % ({micro_batch} x {world}) = {global_batch % per_pass}. Use a global batch of "
+            f"{lo} or {lo + per_pass}" + (f", or a micro-batch of {fits[-1]}" if fits else
+                                          f" (the global batch must be a multiple of the world size {world})"))
+    return global_batch // per_pass

@@ -1,0 +1,136 @@
+"""Evaluate strategy configurations for one model, job and topology: memory, traffic, time per step.
+
+One :class:`PlanRow` per configuration; ``recommend.py`` picks among them and the CLI prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torch import nn
+
+from ..topology import Topology
+from .config import Job, StrategyConfig
+from .hardware import DeviceSpec
+from .layout import OptimizerGroups, default_groups, plan_layout
+from .memory import fits, peak_bytes, state_bytes, zero_paper_bytes
+from .placement import JobPlacement
+from .stats import TransformerShape, activation_bytes, transformer_shape
+from .time import DEFAULT_BUS_EFFICIENCY, DEFAULT_EFFICIENCY, StepTime, step_time
+from .traffic import LINK_CLASSES, buffer_groups, by_link_class, step_collectives
+
+
+@dataclass
+class PlanRow:
+    config: StrategyConfig
+    memory: dict[str, int]  # peak breakdown per rank (memory.peak_bytes)
+    states: dict[str, int]  # model states right before the step (memory.state_bytes)
+    zero_paper: float  # the ZeRO paper's model-state bytes for comparison
+    fits: bool
+    traffic: dict[str, float]  # wire bytes per rank per step by link class
+    time: StepTime
+    tokens_per_s: float
+    rings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.config.strategy, "label": self.label, "kwargs": self.config.kwargs(),
+                "memory_per_rank": self.memory, "model_states": self.states, "zero_paper_bytes": self.zero_paper,
+                "fits": self.fits, "bytes_per_step": self.traffic, "step_time_s": self.time.total,
+                "compute_s": self.time.compute, "exposed_comm_s": self.time.exposed_comm,
+                "link_busy_s": self.time.total_comm, "tokens_per_s": self.tokens_per_s,
+                "rings": {k: {"ranks": r.ranks, "gbps": r.gbps, "class": r.link_class} for k, r in self.rings.items()}}
+
+
+@dataclass
+class Context:
+    """Everything that does not change between candidate configurations."""
+
+    module: nn.Module
+    groups: OptimizerGroups
+    placement: JobPlacement
+    job: Job
+    device: DeviceSpec
+    shape: Optional[TransformerShape]
+    activations: float
+    psi: float
+    buffers: list[int]
+    efficiency: float = DEFAULT_EFFICIENCY
+    bus_efficiency: float = DEFAULT_BUS_EFFICIENCY
+
+
+def make_context(module: nn.Module, groups: Optional[OptimizerGroups], placement: JobPlacement, job: Job,
+                 device: DeviceSpec, activations: Optional[float] = None, efficiency: float = DEFAULT_EFFICIENCY,
+                 bus_efficiency: float = DEFAULT_BUS_EFFICIENCY) -> Context:
+    shape = transformer_shape(module, job.seq if job.seq > 1 else None)
+    if activations is None:
+        activations = activation_bytes(shape, job.micro_batch, job.act_bytes) if shape is not None else 0.0
+    return Context(module, groups if groups is not None else default_groups(module), placement, job, device, shape,
+                   activations, float(sum(p.numel() for p in module.parameters())),
+                   buffer_groups(module, job.param_dtype if job.param_dtype.is_floating_point else None),
+                   efficiency, bus_efficiency)
+
+
+def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
+    job = ctx.job
+    shard = cfg.shard_size or job.world
+    layout = plan_layout(ctx.module, ctx.groups, cfg.stage, shard, cfg.bucket_mb, cfg.granularity,
+                         cfg.wrap_classes if cfg.wrap_classes is not None else "auto", cfg.min_params,
+                         param_dtype=job.param_dtype)
+    colls = step_collectives(layout, cfg, job, ctx.buffers, num_optimizers=len(ctx.groups))
+    rings = ctx.placement.groups(cfg.shard_size)
+    memory = peak_bytes(layout, cfg, job, int(ctx.activations))
+    states = state_bytes(layout, cfg, job)
+    t = step_time(layout, cfg, job, colls, rings, ctx.psi, ctx.shape, ctx.device.peak_flops, ctx.efficiency,
+                  ctx.bus_efficiency)
+    traffic = by_link_class(colls, {k: r.link_class for k, r in rings.items()})
+    paper = zero_paper_bytes(ctx.psi, shard, cfg.stage, job.precision, job.optimizer)
+    return PlanRow(cfg, memory, states, paper, fits(memory["total"], ctx.device.memory_bytes), traffic, t,
+                   job.tokens_per_step / t.total if t.total > 0 else float("inf"), rings)
+
+
+def island_shard_size(placement: JobPlacement) -> Optional[int]:
+    """Hybrid layout of the job: ranks per island (or per node), when the job spans several equal ones."""
+    topo = placement.topology
+    keys = [(topo.devices[d].node, topo.island_index(d)) for d in placement.devices]
+    sizes = [keys.count(k) for k in dict.fromkeys(keys)]
+    if len(sizes) > 1 and len(set(sizes)) == 1:
+        return sizes[0]
+    nodes = [topo.devices[d].node for d in placement.devices]
+    per_node = [nodes.count(n) for n in dict.fromkeys(nodes)]
+    if len(per_node) > 1 and len(set(per_node)) == 1:
+        return per_node[0]
+    return None
+
+
+def candidates(module: nn.Module, placement: JobPlacement, accumulation: int) -> list[StrategyConfig]:
+    """Every registered strategy with each accumulation policy that differs at this accumulation count."""
+    multi = accumulation > 1
+    has_blocks = any(isinstance(m, nn.ModuleList) and len(m) for m in module.modules())
+    out = [StrategyConfig("zero0", 0), StrategyConfig("zero1", 1), StrategyConfig("zero2", 2)]
+    if multi:
+        out.append(StrategyConfig("zero2", 2, "per_micro_batch"))
+    policies3 = ["per_micro_batch", "defer", "keep_params"] if multi else ["per_micro_batch"]
+    out += [StrategyConfig("zero3", 3, p) for p in policies3]
+    if has_blocks:
+        for reshard in (True, False):
+            out += [StrategyConfig("fsdp_shard", 3, p, reshard_after_forward=reshard) for p in policies3
+                    if reshard or p != "keep_params"]
+    s = island_shard_size(placement) if placement.world > 1 else None
+    if s and s > 1:
+        out += [StrategyConfig("zero2", 2, "defer", shard_size=s),
+                StrategyConfig("zero3", 3, policies3[0], shard_size=s)]
+        if has_blocks:
+            out += [StrategyConfig("fsdp_shard", 3, p, shard_size=s) for p in policies3]
+    return out
+
+
+def link_summary(topo: Topology) -> str:
+    return ", ".join(sorted({c.value for c in topo.link_classes()}))
+
+
+__all__ = ["Context", "LINK_CLASSES", "PlanRow", "candidates", "evaluate", "island_shard_size", "make_context"]

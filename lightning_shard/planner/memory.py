@@ -1,0 +1,128 @@
+"""Memory per rank: model states (exact, from the engine's layout), the ZeRO paper's formulas, and the peak.
+
+ZeRO paper (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC'20, section 3 and figure 1), mixed-precision Adam, K = 12 bytes of fp32 master + momentum + variance per
+parameter, Ψ parameters, N ranks: DDP (2 + 2 + K)Ψ = 16Ψ; P_os (ZeRO-1) 4Ψ + KΨ/N; P_os+g (ZeRO-2)
+2Ψ + (2 + K)Ψ/N; P_os+g+p (ZeRO-3) (4 + K)Ψ/N. fp32 training has no master copy (K = 8: momentum and
+variance), SGD with momentum K = 4 (+4 master for half params), plain SGD K = 0.
+
+:func:`state_bytes` follows this engine's tensors instead (``Bucket.tensor_bytes``): padded flat buffers,
+fp32 masters of the owned elements for half-precision parameters, the reduced fp32 gradient shard the
+optimizer reads, the fp32 accumulator of ``per_micro_batch`` and the optimizer's state of the owned shard.
+:func:`peak_bytes` adds what exists only during a micro-batch: full gradient buffers (the engine allocates
+them for the whole backward, every stage), fp32 copies of half gradients in flight, gathered stage-3 units
+(root + the largest unit x (1 + prefetch depth), or every unit when parameters are kept), activations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import Job, StrategyConfig
+from .layout import PlannedLayout
+
+_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
+STATE_KEYS = ("params", "gathered_params", "grads", "master", "accumulators", "optimizer_state")
+
+
+def optimizer_elems(optimizer: str) -> int:
+    """State tensors per element: Adam/AdamW exp_avg + exp_avg_sq; SGD momentum buffer; plain SGD none."""
+    return {"adam": 2, "adamw": 2, "sgd": 1, "sgd_momentum": 1, "sgd_plain": 0}.get(optimizer, 2)
+
+
+def zero_paper_bytes(psi: float, n: int, stage: int, precision: str = "bf16-true", optimizer: str = "adam") -> float:
+    """Model-state bytes per rank from the ZeRO paper's formulas (see module docstring), generalised over K."""
+    half = precision in ("bf16-true", "16-true", "bf16-mixed", "16-mixed")
+    p = 2 if half else 4  # parameter and gradient bytes (fp16/bf16 in the paper's mixed precision)
+    k = 4 * optimizer_elems(optimizer) + (4 if half else 0)  # fp32 optimizer state (+ fp32 master copy)
+    if stage == 0:
+        return (2 * p + k) * psi
+    if stage == 1:
+        return 2 * p * psi + k * psi / n
+    if stage == 2:
+        return p * psi + (p + k) * psi / n
+    return (2 * p + k) * psi / n
+
+
+def _shard_dtype(b, job: Job) -> torch.dtype:
+    return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype
+
+
+def _reduce_dtype(cfg: StrategyConfig, b) -> torch.dtype:
+    if cfg.reduce_dtype is not None:
+        return cfg.reduce_dtype
+    return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype
+
+
+def state_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, shard_rank: int = 0) -> dict[str, int]:
+    """Model-state bytes of one rank right before the optimizer step (keys of ``engine.memory_report()``)."""
+    rep = {k: 0 for k in STATE_KEYS}
+    k_opt = optimizer_elems(job.optimizer)
+    accumulate = cfg.per_micro_batch
+    for b in layout.buckets:
+        isz = b.itemsize
+        own = b.owned_numel(shard_rank)
+        if layout.stage == 3:
+            rep["params"] += b.shard_numel * isz
+        else:
+            rep["params"] += b.padded_numel * isz
+            if layout.stage < 2:
+                rep["grads"] += b.padded_numel * isz  # full gradient buffer stays (stage >= 2 frees it)
+        if not b.trainable:
+            continue
+        sd, rd = _shard_dtype(b, job), _reduce_dtype(cfg, b)
+        half = b.dtype in (torch.float16, torch.bfloat16)
+        if half:
+            rep["master"] += own * 4
+        if accumulate:
+            rep["accumulators"] += own * 4  # the optimizer's gradient is the accumulator itself
+        elif not (layout.stage == 0 and rd == b.dtype and sd == b.dtype):  # stage 0, same dtype: a view of grad_buf
+            rep["grads"] += own * _SIZE[sd]
+        if k_opt:
+            rep["optimizer_state"] += k_opt * own * _SIZE[sd] + (4 if job.optimizer.startswith("adam") else 0)
+    rep["params"] += layout.frozen_bytes
+    rep["total"] = sum(rep[k] for k in STATE_KEYS)
+    return rep
+
+
+def gathered_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
+    """Stage 3: full parameters materialized at the worst moment of a micro-batch."""
+    if layout.stage != 3 or not layout.units:
+        return 0
+    full = [u.full_bytes for u in layout.units]
+    if cfg.policy == "keep_params" or not cfg.reshard_after_forward:
+        return sum(full)  # every unit stays gathered from its forward to its backward (or the whole window)
+    root = sum(u.full_bytes for u in layout.units if u.is_root)
+    rest = sorted((u.full_bytes for u in layout.units if not u.is_root), reverse=True)
+    return root + sum(rest[: 1 + cfg.prefetch_depth])  # root + current unit + prefetched units
+
+
+def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations: int,
+               shard_rank: int = 0) -> dict[str, int]:
+    """Peak bytes per rank over a micro-batch: persistent states + gathered units + max(activations, gradients)."""
+    st = state_bytes(layout, cfg, job, shard_rank)
+    persistent = st["params"] + st["master"] + st["optimizer_state"] + st["accumulators"]
+    grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)
+    in_flight = 0  # fp32 copies of half gradients and reduce-scatter outputs, held until the backward ends
+    for b in layout.trainable:
+        rd = _reduce_dtype(cfg, b)
+        if rd != b.dtype:
+            in_flight += b.padded_numel * _SIZE[rd]
+        if layout.stage > 0:
+            in_flight += b.shard_numel * _SIZE[rd]
+    shard_grads = st["grads"] - (grad_full if layout.stage < 2 else 0)
+    gathered = gathered_bytes(layout, cfg)
+    if layout.stage < 3:  # buffers allocated at pre_backward: present while activations are alive
+        during = grad_full + max(activations, in_flight)
+    else:  # unit buffers appear as backward reaches each unit, while activations are freed
+        during = max(activations, grad_full + in_flight)
+    total = persistent + gathered + max(during, shard_grads)
+    return {"persistent": persistent, "gathered": gathered, "gradients": grad_full + in_flight,
+            "activations": activations, "total": total}
+
+
+def fits(total: float, device_bytes: Optional[float], headroom: float = 0.9) -> bool:
+    """Usable memory: ``headroom`` of the device (CUDA context, allocator fragmentation take the rest)."""
+    return device_bytes is None or total <= headroom * device_bytes

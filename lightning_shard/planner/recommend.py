@@ -1,0 +1,157 @@
+"""Recommendation: the fastest configuration that fits memory, the runner-up and what it costs; bad input.
+
+``plan(...)`` evaluates every candidate (evaluate.py) for a model, a topology and a batch; ``recommend_for``
+is the entry the strategies' ``strategy=auto`` calls at setup; ``auto_policy`` picks an accumulation policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from ..topology import Topology, from_capture, list_presets, load_preset
+from .config import Job, StrategyConfig, batch_split, check_precision
+from .evaluate import Context, PlanRow, candidates, evaluate, make_context
+from .hardware import DeviceSpec, device_spec
+from .layout import groups_of
+from .placement import place
+from .stats import transformer_shape
+
+GiB = 2**30
+TIE = 0.02  # step times within 2% count as equal
+
+
+@dataclass
+class PlanResult:
+    rows: list[PlanRow]
+    best: PlanRow
+    runner_up: Optional[PlanRow]
+    reason: str
+    context: Context
+
+    def to_dict(self) -> dict[str, Any]:
+        ctx = self.context
+        return {"topology": ctx.placement.topology.name, "world": ctx.job.world, "device": ctx.device.name,
+                "device_memory_bytes": ctx.device.memory_bytes, "params": ctx.psi,
+                "accumulation": ctx.job.accumulation, "micro_batch": ctx.job.micro_batch, "seq": ctx.job.seq,
+                "precision": ctx.job.precision, "activations_bytes": ctx.activations,
+                "recommended": self.best.label, "runner_up": self.runner_up.label if self.runner_up else None,
+                "reason": self.reason, "rows": [r.to_dict() for r in self.rows]}
+
+
+@dataclass
+class Recommendation:
+    strategy_name: str
+    kwargs: dict[str, Any]
+    reason: str
+    table: list[dict[str, Any]]
+
+
+def resolve_topology(topology: Union[None, str, Topology], world: int) -> Topology:
+    """A Topology from an object, a preset name, a capture file, ``"detect"``; None: ``world`` CPU processes."""
+    if isinstance(topology, Topology):
+        return topology
+    if topology is None or topology == "cpu":
+        return load_preset("cpu", devices=world)
+    if topology == "detect":
+        from ..topology import detect
+
+        return detect()
+    if Path(topology).is_file():
+        return from_capture(topology)
+    if topology not in list_presets():
+        raise ValueError(f"unknown topology {topology!r}: not a preset ({', '.join(list_presets())}), not a capture "
+                         "file, not 'detect'")
+    return load_preset(topology)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optional[int], global_batch: int,
+         micro_batch: int, precision: str = "bf16-true", optimizer_groups: Any = None, seq: Optional[int] = None,
+         optimizer: str = "adam", device: Optional[DeviceSpec] = None, configs: Optional[list[StrategyConfig]] = None,
+         devices: Optional[list[int]] = None, activations: Optional[float] = None, **ctx_kw: Any) -> PlanResult:
+    check_precision(precision)
+    topo = resolve_topology(topology, world or 1)
+    world = world or len(topo.devices)
+    acc = batch_split(global_batch, micro_batch, world)
+    placement = place(topo, world, devices)
+    d0 = placement.topology.devices[placement.devices[0]]
+    spec = device or device_spec(d0.model, d0.kind)
+    shape = transformer_shape(module, seq)
+    job = Job(world=world, micro_batch=micro_batch, accumulation=acc, seq=shape.seq if shape else (seq or 1),
+              precision=precision, optimizer=optimizer)
+    ctx = make_context(module, groups_of(optimizer_groups) or None, placement, job, spec, activations, **ctx_kw)
+    rows = [evaluate(ctx, c) for c in (configs or candidates(module, placement, acc))]
+    ok = sorted((r for r in rows if r.fits), key=lambda r: (round(r.time.total, 6), r.memory["total"]))
+    if not ok:
+        raise ValueError(nothing_fits(ctx, rows))
+    # within TIE of the fastest, the leanest wins: the same speed with more memory headroom
+    near = [r for r in ok if r.time.total <= ok[0].time.total * (1 + TIE)]
+    best = min(near, key=lambda r: r.memory["total"])
+    rest = [r for r in ok if r is not best]
+    runner = rest[0] if rest else None
+    reason = (f"{best.label}: fastest that fits ({best.time.total:.3f} s/step, {_gib(best.memory['total'])} of "
+              f"{_gib(spec.memory_bytes)} per rank" + (f"; within {TIE:.0%} of the fastest, the leanest" if
+                                                        len(near) > 1 else "") + ")")
+    if runner is not None:
+        reason += (f"; runner-up {runner.label}: {runner.time.total / best.time.total:.2f}x the step time, "
+                   f"{_gib(runner.memory['total'])} per rank")
+    return PlanResult(rows, best, runner, reason, ctx)
+
+
+def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:
+    """What would fit: more devices, a smaller micro-batch; CPU offload is not implemented."""
+    low = min(rows, key=lambda r: r.memory["total"])
+    usable = 0.9 * ctx.device.memory_bytes
+    msg = [f"no strategy fits {_gib(usable)} usable per rank on {ctx.placement.topology.name} ({ctx.device.name}): "
+           f"the leanest, {low.label}, needs {_gib(low.memory['total'])} per rank "
+           f"(sharded states {_gib(low.memory['persistent'])}, activations {_gib(low.memory['activations'])})."]
+    sharded = low.memory["persistent"] * ctx.job.world  # scales as 1/N
+    rest = low.memory["total"] - low.memory["persistent"]
+    if rest < usable:
+        need = next((n for n in range(ctx.job.world, 4097) if sharded / n + rest <= usable), None)
+        if need:
+            msg.append(f"More devices: about {need} ranks ({-(-need // ctx.placement.topology.devices_per_node)} "
+                       f"node(s) of {ctx.placement.topology.devices_per_node}) would hold the sharded states.")
+    if ctx.job.micro_batch > 1 or low.memory["activations"] > 0.25 * usable:
+        msg.append(f"Smaller micro-batch: activations take {_gib(low.memory['activations'])} at micro-batch "
+                   f"{ctx.job.micro_batch}; they scale with it (raise accumulation to keep the global batch).")
+    msg.append("CPU offload of optimizer states or parameters is not implemented in lightning_shard.")
+    return " ".join(msg)
+
+
+def recommend_for(module: nn.Module, optimizer_groups_or_none: Any, topology: Union[None, str, Topology],
+                  world_size: int, global_batch: int, micro_batch: int, precision: str = "32-true",
+                  **kw: Any) -> Recommendation:
+    """For ``strategy=auto`` at setup: the registered strategy name, its kwargs, the reason and the table."""
+    res = plan(module, topology, world_size, global_batch, micro_batch, precision, optimizer_groups_or_none, **kw)
+    cfg = res.best.config
+    kwargs = cfg.kwargs()
+    if cfg.shard_size:
+        kwargs["shard_size"] = cfg.shard_size
+    return Recommendation(cfg.strategy, kwargs, res.reason, [r.to_dict() for r in res.rows])
+
+
+def auto_policy(stage: int, accumulation: int, grad_bytes: float, free_bytes: Optional[float] = None,
+                ring_gbps: Optional[float] = None) -> tuple[str, str]:
+    """Accumulation policy by memory budget and links (DESIGN.md section 3, "auto")."""
+    defer = "keep_unsharded_grads" if stage == 3 else "defer"
+    if stage < 2:
+        return "defer", f"zero{stage} keeps full gradients, so deferring costs no memory"
+    if accumulation == 1:
+        return ("per_micro_batch" if stage == 3 else "defer"), "accumulation 1: every micro-batch is a boundary"
+    mib = grad_bytes / 2**20
+    if free_bytes is not None and grad_bytes > 0.25 * free_bytes:
+        return "per_micro_batch", (f"full gradients ({mib:.1f} MiB) exceed 25% of free memory "
+                                   f"({free_bytes / 2**20:.0f} MiB): keep only gradient shards")
+    if ring_gbps is not None and ring_gbps >= 200:
+        return "per_micro_batch", (f"{ring_gbps:g} GB/s ring: the {accumulation - 1} extra reduce-scatters hide "
+                                   f"behind backward, and holding only shards frees {mib:.1f} MiB")
+    return defer, (f"full gradients ({mib:.1f} MiB) fit: one reduce-scatter per step instead of {accumulation}"
+                   + (f" on a {ring_gbps:g} GB/s ring" if ring_gbps else ""))

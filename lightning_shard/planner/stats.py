@@ -1,0 +1,114 @@
+"""Model statistics without running a training step: parameters, units, activation bytes.
+
+Parameters are read from the module (the meta device is fine: only shapes and dtypes are used); a tied
+weight counts once (``named_parameters`` deduplicates). Per-unit sizes reuse the engine's own
+:func:`lightning_shard.core.units.plan_units`, so they are the units stage 3 would gather.
+
+Activation bytes per transformer layer follow Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models" (arXiv:2205.05198), section 4.1: ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit
+activations and 1-byte dropout masks (s sequence, b micro-batch, h hidden, a heads). Their breakdown:
+attention 11sbh + 5as²b, MLP 19sbh, two LayerNorms 4sbh. Two adjustments, both stated:
+* without dropout the three sbh-sized masks (attention output, MLP output, 1 byte each ... 2sbh in the
+  16-bit accounting of that paper) and the attention dropout (mask as²b, output 2as²b) are not stored;
+* with fused attention (FlashAttention, Dao et al. 2022; ``F.scaled_dot_product_attention``'s flash and
+  memory-efficient kernels) the s² terms vanish: the kernel saves its output and a logsumexp per row.
+Scaling to other activation widths multiplies the 16-bit terms by act_bytes / 2.
+The output layer (not in that formula) stores the final LayerNorm input and output and the logits plus
+the cross-entropy's log-softmax: (2h + 2V)·act_bytes per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..core.units import plan_units
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    params: int  # unique parameters (tied counted once)
+    trainable: int
+    frozen: int
+    by_dtype: dict[str, int]
+    param_bytes: int
+    buffer_bytes: int
+
+
+def model_stats(module: nn.Module) -> ModelStats:
+    params = list(module.parameters())  # deduplicated: a tied weight appears once
+    by_dtype: dict[str, int] = {}
+    for p in params:
+        key = str(p.dtype).replace("torch.", "")
+        by_dtype[key] = by_dtype.get(key, 0) + p.numel()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    return ModelStats(total, trainable, total - trainable, by_dtype,
+                      sum(p.numel() * p.element_size() for p in params),
+                      sum(b.numel() * b.element_size() for b in module.buffers()))
+
+
+def unit_sizes(module: nn.Module, granularity: str = "fsdp", wrap_classes: Any = "auto",
+               min_params: Optional[int] = None) -> list[tuple[str, int, int]]:
+    """``(unit name, parameters, bytes)`` of each stage-3 unit, the root unit first (engine's plan_units)."""
+    return [(s.name, sum(p.numel() for p in s.params), sum(p.numel() * p.element_size() for p in s.params))
+            for s in plan_units(module, granularity, wrap_classes, min_params)]
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    dropout: bool = False
+    fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient kernels)
+
+
+def transformer_shape(module: nn.Module, seq: Optional[int] = None) -> Optional[TransformerShape]:
+    """Read layers/hidden/heads/vocab from a GPT-like module (recipes.gpt.GPT or similar); None otherwise."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    if not lists or emb is None:
+        return None
+    blocks = max(lists, key=len)
+    heads = next((int(getattr(m, a)) for m in blocks[0].modules()
+                  for a in ("n_head", "num_heads", "num_attention_heads") if hasattr(m, a)), 1)
+    block_size = next((int(m.block_size) for m in module.modules() if hasattr(m, "block_size")), None)
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+    return TransformerShape(len(blocks), emb.embedding_dim, heads, seq or block_size or 1, emb.num_embeddings, dropout)
+
+
+def activation_bytes_per_layer(shape: TransformerShape, micro_batch: int, act_bytes: int = 2) -> float:
+    """Korthikanti et al. 2022, section 4.1 (see module docstring), adjusted for dropout and fused attention."""
+    s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
+    scale = act_bytes / 2
+    sbh = 34 if shape.dropout else 32  # 16-bit accounting; masks are 1 byte (2 of the 34 are the two sbh masks)
+    per = s * b * h * sbh * scale if not shape.dropout else s * b * h * (32 * scale + 2)
+    if not shape.fused_attention:  # softmax output (+ dropout mask and output): 2as²b (+3as²b) at 16 bits
+        per += a * s * s * b * (2 * scale + (1 + 2 * scale if shape.dropout else 0))
+    return per
+
+
+def activation_bytes(shape: TransformerShape, micro_batch: int, act_bytes: int = 2) -> float:
+    """Activations kept for backward by one micro-batch: every layer plus the output layer."""
+    head = shape.seq * micro_batch * (2 * shape.hidden + 2 * shape.vocab) * act_bytes
+    return shape.layers * activation_bytes_per_layer(shape, micro_batch, act_bytes) + head
+
+
+def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs (one forward)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen[st.data_ptr() if t.device.type != "meta" else id(st)] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

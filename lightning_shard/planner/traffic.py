@@ -1,0 +1,138 @@
+"""Collectives per optimizer step, predicted from the engine's layout: op, group, bytes, wire bytes.
+
+``step_collectives`` lists what the ledger (``core/collectives.py``) records over one optimizer step of
+``accumulation`` micro-batches, with the same ``bytes`` (full padded tensor) and ``wire_bytes`` (ring bytes
+per rank, nccl-tests busbw factors: RS/AG (N-1)/N, AR 2(N-1)/N, broadcast 1x;
+https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The rules are the engine's:
+
+stages 0-2 (``core/engine.py``): each trainable bucket is all-reduced (stage 0) or reduce-scattered on the
+boundary micro-batch, or on every micro-batch with ``per_micro_batch``; stages 1/2 all-gather every bucket
+after the step. Stage 3 (``core/zero3.py``): every unit's buckets (frozen ones too) are gathered in forward
+and again in backward (``reshard_after_forward``), once per micro-batch without it, once per step with
+``keep_params``; trainable buckets are reduce-scattered per micro-batch or at the boundary only. Hybrid:
+one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
+Step extras: used-mask all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping norm,
+buffer broadcast per dtype.
+
+Link classes: each collective's wire bytes are attributed to the slowest hop of the ring its group runs
+on (a ring runs at its slowest hop), classified as intra-island, inter-island or inter-node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..core.collectives import ring_wire_bytes
+from .config import Job, StrategyConfig
+from .layout import PlannedLayout
+
+_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8, torch.int64: 8}
+LINK_CLASSES = ("intra-island", "inter-island", "inter-node")
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # all_reduce | reduce_scatter | all_gather | broadcast
+    group: str  # world | shard | replicate
+    world: int  # ranks in the group
+    bytes: int
+    kind: str  # grad | param | unshard | replicate | used_mask | found_inf | grad_norm | buffers
+    phase: str  # forward | backward | boundary | step (for the overlap rules of time.py)
+    micro_batch: int = 0
+
+    @property
+    def wire_bytes(self) -> float:
+        return ring_wire_bytes(self.op, self.bytes, self.world)
+
+
+def _reduce_dtype(cfg: StrategyConfig, dtype: torch.dtype) -> torch.dtype:
+    if cfg.reduce_dtype is not None:
+        return cfg.reduce_dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def buffer_groups(module: nn.Module, param_dtype: Optional[torch.dtype] = None) -> list[int]:
+    """Bytes of each coalesced buffer broadcast (one per dtype: float and long buffers, ``_broadcast_coalesced``)."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for t in module.buffers():
+        if not (t.is_floating_point() or t.dtype == torch.long):
+            continue
+        dt = param_dtype if (param_dtype is not None and t.is_floating_point()) else t.dtype
+        by_dtype[dt] = by_dtype.get(dt, 0) + t.numel() * _ITEMSIZE.get(dt, t.element_size())
+    return list(by_dtype.values())
+
+
+def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffers: list[int],
+                     num_optimizers: int = 1, shard_rank: int = 0) -> list[Collective]:
+    """Every collective of one optimizer step on a rank that is member ``shard_rank`` of its shard group."""
+    N = job.world
+    S = cfg.shard_size or N
+    if N % S:
+        raise ValueError(f"shard_size={S} does not divide the world size {N}")
+    hybrid = S < N
+    R = N // S
+    gname = "shard" if hybrid else "world"
+    out: list[Collective] = []
+    acc = job.accumulation
+    for m in range(acc):
+        boundary = m == acc - 1
+        if layout.stage == 3:
+            if cfg.policy == "keep_params":
+                times = 1 if m == 0 else 0
+            else:
+                times = 2 if cfg.reshard_after_forward else 1
+            for k in range(times):
+                for b in layout.buckets:
+                    out.append(Collective("all_gather", gname, S, b.padded_numel * b.itemsize, "unshard",
+                                          "forward" if k == 0 else "backward", m))
+        if boundary or cfg.per_micro_batch:
+            for b in layout.trainable:
+                rd = _reduce_dtype(cfg, b.dtype)
+                op = "all_reduce" if layout.stage == 0 else "reduce_scatter"
+                out.append(Collective(op, gname, S, b.padded_numel * _ITEMSIZE[rd], "grad", "backward", m))
+        if boundary and hybrid:
+            for b in layout.trainable:
+                rd = torch.float32 if cfg.per_micro_batch else _reduce_dtype(cfg, b.dtype)
+                out.append(Collective("all_reduce", "replicate", R, b.owned_numel(shard_rank) * _ITEMSIZE[rd],
+                                      "replicate", "boundary", m))
+    last = acc - 1
+    for oi in range(num_optimizers):
+        mine = [b for b in layout.trainable if b.opt_index == oi]
+        if job.find_unused_parameters and N > 1:
+            out.append(Collective("all_reduce", "world", N, 4 * sum(b.num_params for b in mine), "used_mask", "step", last))
+        if job.loss_scaling and N > 1:
+            out.append(Collective("all_reduce", "world", N, 4, "found_inf", "step", last))
+        if job.clip and layout.stage > 0 and S > 1:
+            out.append(Collective("all_reduce", gname, S, 4, "grad_norm", "step", last))
+        if layout.stage in (1, 2):
+            for b in mine:
+                out.append(Collective("all_gather", gname, S, b.padded_numel * b.itemsize, "param", "step", last))
+        if job.broadcast_buffers and N > 1:
+            for nbytes in buffers:
+                out.append(Collective("broadcast", "world", N, nbytes, "buffers", "step", last))
+    return out
+
+
+def summarize(colls: list[Collective]) -> dict[tuple[str, str], dict[str, float]]:
+    """``{(op, group): {"count", "bytes", "wire_bytes"}}``, the shape of ``Ledger.summarize``."""
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+    for c in colls:
+        row = out[(c.op, c.group)]
+        row["count"] += 1
+        row["bytes"] += c.bytes
+        row["wire_bytes"] += c.wire_bytes
+    return dict(out)
+
+
+def by_link_class(colls: list[Collective], group_class: dict[str, str]) -> dict[str, float]:
+    """Wire bytes per rank per link class; ``group_class`` maps world/shard/replicate to a class."""
+    out = {k: 0.0 for k in LINK_CLASSES}
+    for c in colls:
+        if c.world > 1:
+            out[group_class.get(c.group, "intra-island")] += c.wire_bytes
+    return out

@@ -1,0 +1,217 @@
+"""Lightning side of checkpoints: sharded save/load for the strategies, and a CheckpointIO for plain Trainers.
+
+``state_dict_type="sharded"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a directory
+(see ``core/checkpoint.py``) in which each rank stores only its shards, committed atomically.
+``"full"``: one consolidated file written by rank 0, as Lightning's own strategies do.
+
+Loading accepts both, from any strategy and world size: a full file (also one written by Lightning's
+``DDPStrategy`` or a single device) or a sharded directory. A plain ``Trainer`` (single device, DDP) reads
+sharded directories through ``Trainer(plugins=[ShardedCheckpointIO()])`` or after
+``lightning-shard consolidate``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from ..core import collectives as C
+from ..core.checkpoint import CheckpointError, Reader, commit, is_sharded_checkpoint, rank_file, write_rank_file, \
+    write_trainer_state
+from ..core.consolidate import lightning_checkpoint, model_state
+from ..core.engine_ckpt import collect_pieces
+
+MODEL_KEYS = ("state_dict", "optimizer_states")
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def plain(obj: Any) -> Any:
+    """Containers as plain dict/list/tuple so that ``torch.load(weights_only=True)`` accepts them."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj) if type(obj) in (list, tuple) else [plain(v) for v in obj]
+    return obj
+
+
+def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str) -> None:
+    """Every rank writes its pieces into a temporary folder; rank 0 commits it as ``filepath``. Collective."""
+    final = Path(filepath)
+    suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None)
+    tmp = final.with_name(f"{final.name}.tmp-{suffix}")
+    if C.get_rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    C.barrier()
+    pieces, index, meta = collect_pieces(engine)
+    write_rank_file(tmp, C.get_rank(), pieces)
+    all_index = C.all_gather_object(index)
+    C.barrier()  # every rank's file is on disk (fsync'd) before the commit
+    if C.get_rank() == 0:
+        merged: dict[str, list] = {}
+        for rank, idx in enumerate(all_index):
+            for key, (lo, hi) in idx.items():
+                merged.setdefault(key, []).append([rank, lo, hi])
+        write_trainer_state(tmp, plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}))
+        meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name,
+                    files=[rank_file(r) for r in range(C.get_world_size())],
+                    versions={"torch": torch.__version__, "lightning_shard": _version()})
+        commit(tmp, final, meta)
+    C.barrier()
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def load_for_strategy(path: Any) -> tuple[dict[str, Any], Optional[Reader]]:
+    """(checkpoint dict, reader) for a sharded directory; (None, None) for a regular file."""
+    p = Path(path)
+    if p.is_dir():
+        reader = Reader(p)  # raises CheckpointError for folders that are not complete checkpoints
+        ckpt = reader.trainer_state()
+        ckpt["state_dict"] = {}
+        ckpt["optimizer_states"] = [{} for _ in reader.meta["optimizers"]]
+        return ckpt, reader
+    return None, None
+
+
+def full_model_state(reader: Reader) -> dict[str, torch.Tensor]:
+    return model_state(reader, prefer_master=True)
+
+
+class ShardedCheckpointIO(TorchCheckpointIO):
+    """For any Trainer: reads lightning_shard sharded directories (consolidated in memory) and regular files;
+    removes checkpoint directories. ``Trainer(strategy="ddp", plugins=[ShardedCheckpointIO()])``."""
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
+        if is_sharded_checkpoint(path):
+            return lightning_checkpoint(Reader(path))
+        if Path(path).is_dir():
+            Reader(path)  # raises the explanatory error
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        p = Path(path)
+        if p.is_dir():
+            import shutil
+
+            shutil.rmtree(p)
+        else:
+            super().remove_checkpoint(path)
+
+
+class CheckpointMixin:
+    """Checkpoint methods of the lightning_shard strategies (mixed into ZeroStrategy)."""
+
+    engine: Any
+    state_dict_type: str
+    _reader: Optional[Reader]
+
+    def _sharded(self) -> bool:
+        return self.state_dict_type == "sharded" and self.engine is not None and not self._released()
+
+    def _released(self) -> bool:
+        return self.engine is not None and self.engine.controller is not None and self.engine.controller.released
+
+    # ------------------------------------------------------------------ save
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full weights on every rank (collective); fp32 masters in place of half-precision parameters."""
+        if self.engine is not None:
+            self.engine.wait_params()  # a post-step all-gather may still be in flight
+        state = self.lightning_module.state_dict()
+        if self.engine is not None and not self._released():
+            state.update(self.engine.gather_full())
+        return state
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights in ``"full"`` mode; in ``"sharded"`` mode ``save_checkpoint`` writes the shards itself and
+        this returns ``{}`` (nothing is gathered). Use :meth:`full_state_dict` for a gathered copy."""
+        return {} if self._sharded() else self.full_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.engine is None:
+            return optimizer.state_dict()
+        if self._sharded():
+            return {}
+        return self.engine.binding_for(getattr(optimizer, "_optimizer", optimizer)).full_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        save_sharded(self.engine, checkpoint, filepath, type(self).strategy_name)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if Path(filepath).is_dir():
+            if C.get_rank() == 0:
+                import shutil
+
+                shutil.rmtree(filepath, ignore_errors=True)
+            return
+        super().remove_checkpoint(filepath)
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        ckpt, self._reader = load_for_strategy(checkpoint_path)
+        if ckpt is not None:
+            return ckpt
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        if self._reader is not None:
+            if self.engine is None:  # before setup (stages 0-2): the module takes full weights
+                state = full_model_state(self._reader)
+            else:  # after setup (stage 3): each rank reads the ranges of its own shards
+                from ..core.engine_ckpt import load_pieces
+
+                load_pieces(self.engine, self._reader, params=True, optimizer=False)
+                state = {k: v for k, v in model_state(self._reader).items() if k not in param_names}
+                module.load_state_dict(state, strict=False)
+                return
+        else:
+            state = checkpoint["state_dict"]
+            if self.engine is not None and self.engine.controller is not None:  # stage 3, full file
+                missing = self.engine.load_full(state)
+                result = module.load_state_dict({k: v for k, v in state.items() if k not in param_names}, strict=False)
+                problems = missing + [k for k in result.missing_keys if k not in param_names] + result.unexpected_keys
+                if strict and problems:
+                    raise CheckpointError(f"checkpoint does not match the model: {problems[:10]} missing or unexpected;"
+                                          " was it written for another model?")
+                return
+        module.load_state_dict(state, strict=strict)
+        if self.precision_plugin.precision in ("bf16-true", "16-true"):
+            masters = {n: v for n, v in state.items() if n in param_names and v.dtype == torch.float32}
+            if self.engine is not None:
+                self.engine.load_full(masters, masters_only=True)
+            else:
+                self._masters_from_checkpoint = masters
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise CheckpointError(f"checkpoint holds {len(states)} optimizer states, the model configured "
+                                  f"{len(self.optimizers)} optimizers")
+        if self._reader is not None and self.engine is not None:
+            from ..core.engine_ckpt import load_pieces
+
+            load_pieces(self.engine, self._reader, params=False, optimizer=True)
+            self._reader = None
+            return
+        for optimizer, state in zip(self.optimizers, states):
+            if self.engine is None:
+                optimizer.load_state_dict(state)
+            else:
+                self.engine.binding_for(optimizer).load_full_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+
+__all__ = ["CheckpointError", "CheckpointMixin", "ShardedCheckpointIO", "load_for_strategy", "save_sharded"]
