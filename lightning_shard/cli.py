@@ -15,6 +15,7 @@ from typing import Sequence
 SUBCOMMANDS = {
     "topo": "lightning_shard.topology.cli_topo",
     "plan": "lightning_shard.planner.cli_plan",
+    "consolidate": "lightning_shard.cli_consolidate",
 }
 
 

@@ -3,9 +3,11 @@
 Composes ``conf/train.yaml`` (strategy x topology x recipe x trainer x logger x callbacks), checks it before
 any rank is launched (``lightning_shard.app.checks``), derives ``accumulate_grad_batches`` from the recipe's
 global and micro batch sizes and the world size the topology gives, fits, prints a summary table on rank 0
-and writes ``summary.json`` in the run folder. ``-m`` sweeps run each job in a fresh process (Lightning's
-subprocess launcher re-runs ``sys.argv``, which in a sweep would start the whole sweep again) and end with
-``report.md`` / ``report.png`` in the sweep folder (:class:`SweepReport`).
+and writes ``summary.json`` in the run folder. In ``-m`` sweeps a job whose strategy uses the default
+``popen`` launcher runs in a fresh process (Lightning's subprocess launcher re-runs ``sys.argv``, which in a
+sweep would start the whole sweep again, in the wrong folder); with ``strategy.start_method=fork`` (or spawn)
+the ranks are workers of the sweep process and jobs run in it, which saves a start-up per job. A sweep ends
+with ``report.md`` / ``report.png`` in the sweep folder (:class:`SweepReport`).
 
 Errors in the config (unknown group option, unknown key, wrong type, impossible batch) are reported by
 :func:`main` in one line naming the key and the fix, with exit status 2, before Hydra or Lightning start.
@@ -254,7 +256,14 @@ class SweepReport(HydraCallback):
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     accumulate = check_config(cfg)  # before any rank is launched
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return run_isolated()
+        if OmegaConf.select(cfg, "strategy.start_method", default="popen") == "popen":
+            return run_isolated()
+        # fork/spawn: ranks are workers of this process, which itself never joins a process group, so the
+        # next job starts clean; only the rendezvous port is dropped so that each job picks a fresh one
+        try:
+            return fit(cfg, accumulate)
+        finally:
+            os.environ.pop("MASTER_PORT", None)
     return fit(cfg, accumulate)
 
 
@@ -309,9 +318,13 @@ def explain(err: BaseException, overrides: Sequence[str]) -> str:
             if isinstance(e, ValidationError):
                 current = OmegaConf.select(base, key, default=None, throw_on_resolution_failure=False)
                 first = str(getattr(e, "msg", e)).splitlines()[0]
-                return f"{key}: {first}; give a value of the schema's type, e.g. {key}={current!r}"
+                example = {True: "true", False: "false", None: "null"}.get(current, current) \
+                    if isinstance(current, (bool, type(None))) else current
+                return f"{key}: {first}; give a value of the schema's type, e.g. {key}={example}"
             return f"{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if isinstance(err, ValueError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
 
 
 def sweep_combinations(overrides: list[str], multirun: bool) -> list[list[str]]:

@@ -75,7 +75,9 @@ def _gib(x: float) -> str:
 def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optional[int], global_batch: int,
          micro_batch: int, precision: str = "bf16-true", optimizer_groups: Any = None, seq: Optional[int] = None,
          optimizer: str = "adam", device: Optional[DeviceSpec] = None, configs: Optional[list[StrategyConfig]] = None,
-         devices: Optional[list[int]] = None, activations: Optional[float] = None, **ctx_kw: Any) -> PlanResult:
+         devices: Optional[list[int]] = None, activations: Optional[float] = None, require_fit: bool = True,
+         **ctx_kw: Any) -> PlanResult:
+    """Evaluate ``configs`` (default: every candidate); ``require_fit=False`` ranks them even if none fits."""
     check_precision(precision)
     topo = resolve_topology(topology, world or 1)
     world = world or len(topo.devices)
@@ -89,8 +91,9 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
     ctx = make_context(module, groups_of(optimizer_groups) or None, placement, job, spec, activations, **ctx_kw)
     rows = [evaluate(ctx, c) for c in (configs or candidates(module, placement, acc))]
     ok = sorted((r for r in rows if r.fits), key=lambda r: (round(r.time.total, 6), r.memory["total"]))
-    if not ok:
+    if not ok and require_fit:
         raise ValueError(nothing_fits(ctx, rows))
+    ok = ok or sorted(rows, key=lambda r: r.time.total)
     # within TIE of the fastest, the leanest wins: the same speed with more memory headroom
     near = [r for r in ok if r.time.total <= ok[0].time.total * (1 + TIE)]
     best = min(near, key=lambda r: r.memory["total"])
@@ -114,6 +117,10 @@ def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:
            f"(sharded states {_gib(low.memory['persistent'])}, activations {_gib(low.memory['activations'])})."]
     sharded = low.memory["persistent"] * ctx.job.world  # scales as 1/N
     rest = low.memory["total"] - low.memory["persistent"]
+    grads = low.memory["gradients"]
+    if grads > 0.5 * usable:
+        msg.append(f"The engine holds full gradient buffers (and fp32 copies of half gradients) during backward: "
+                   f"{_gib(grads)} per rank whatever the world size; reduce_dtype='bf16' drops the copies.")
     if rest < usable:
         need = next((n for n in range(ctx.job.world, 4097) if sharded / n + rest <= usable), None)
         if need:

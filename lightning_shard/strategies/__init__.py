@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .checkpointing import ShardedCheckpointIO
 from .precision import ShardedPrecision
 from .zero import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
 from .zero3 import FSDPShardStrategy, Zero3Strategy
@@ -23,5 +24,5 @@ for _name, (_cls, _what, _params) in REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=f"lightning_shard {_what}", **_params)
 
-__all__ = ["FSDPShardStrategy", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
+__all__ = ["FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
            "Zero3Strategy", "ZeroStrategy"]

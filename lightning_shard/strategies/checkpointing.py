@@ -13,6 +13,7 @@ sharded directories through ``Trainer(plugins=[ShardedCheckpointIO()])`` or afte
 from __future__ import annotations
 
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,7 +39,36 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str) -> None:
+def translate_loop_counters(ckpt: dict[str, Any], saved: dict[str, Any], world: int, accumulate: int) -> None:
+    """Lightning counts batches per rank. Resuming at another world size with the same global batch
+    (world x accumulation constant), rescale those counters so the epoch position means the same thing."""
+    old_world, old_acc = saved.get("world_size"), saved.get("accumulate_grad_batches")
+    if not old_world or not old_acc or (old_world, old_acc) == (world, accumulate):
+        return
+    if old_world * old_acc != world * accumulate:
+        warnings.warn(f"the global batch changed from {old_world}x{old_acc} to {world}x{accumulate} micro-batches per "
+                      "step: Lightning's per-rank batch counters are kept as saved", stacklevel=2)
+        return
+    progress = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    for part in ("total", "current"):
+        counts = progress.get(part, {})
+        done = counts.get("processed")
+        if not isinstance(done, int):
+            continue
+        if (done * accumulate) % old_acc:
+            warnings.warn("resuming at another world size from the middle of an accumulation window: Lightning's "
+                          "batch counters cannot be translated exactly", stacklevel=2)
+            return
+        scaled = done * accumulate // old_acc
+        for k, v in counts.items():  # keep each counter's lag behind "processed" (the batch in flight at save)
+            if isinstance(v, int):
+                counts[k] = scaled - (done - v)
+
+
+def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str,
+                 accumulate: int = 1) -> None:
     """Every rank writes its pieces into a temporary folder; rank 0 commits it as ``filepath``. Collective."""
     final = Path(filepath)
     suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None)
@@ -56,7 +86,7 @@ def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strateg
             for key, (lo, hi) in idx.items():
                 merged.setdefault(key, []).append([rank, lo, hi])
         write_trainer_state(tmp, plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}))
-        meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name,
+        meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name, accumulate_grad_batches=accumulate,
                     files=[rank_file(r) for r in range(C.get_world_size())],
                     versions={"torch": torch.__version__, "lightning_shard": _version()})
         commit(tmp, final, meta)
@@ -87,11 +117,22 @@ def full_model_state(reader: Reader) -> dict[str, torch.Tensor]:
 
 class ShardedCheckpointIO(TorchCheckpointIO):
     """For any Trainer: reads lightning_shard sharded directories (consolidated in memory) and regular files;
-    removes checkpoint directories. ``Trainer(strategy="ddp", plugins=[ShardedCheckpointIO()])``."""
+    removes checkpoint directories. ``Trainer(strategy="ddp", plugins=[ShardedCheckpointIO()])``.
+
+    ``world_size`` / ``accumulate_grad_batches``: the resuming job's, when it differs from the saving job's
+    (same global batch); Lightning's per-rank batch counters are then translated."""
+
+    def __init__(self, world_size: Optional[int] = None, accumulate_grad_batches: Optional[int] = None) -> None:
+        super().__init__()
+        self.world_size, self.accumulate_grad_batches = world_size, accumulate_grad_batches
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
         if is_sharded_checkpoint(path):
-            return lightning_checkpoint(Reader(path))
+            reader = Reader(path)
+            ckpt = lightning_checkpoint(reader)
+            if self.world_size and self.accumulate_grad_batches:
+                translate_loop_counters(ckpt, reader.meta, self.world_size, self.accumulate_grad_batches)
+            return ckpt
         if Path(path).is_dir():
             Reader(path)  # raises the explanatory error
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -144,7 +185,9 @@ class CheckpointMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._sharded():
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        save_sharded(self.engine, checkpoint, filepath, type(self).strategy_name)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        save_sharded(self.engine, checkpoint, filepath, type(self).strategy_name,
+                     getattr(trainer, "accumulate_grad_batches", 1))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if Path(filepath).is_dir():
@@ -159,6 +202,9 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         ckpt, self._reader = load_for_strategy(checkpoint_path)
         if ckpt is not None:
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            translate_loop_counters(ckpt, self._reader.meta, self.world_size,
+                                    getattr(trainer, "accumulate_grad_batches", 1))
             return ckpt
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

@@ -1,0 +1,92 @@
+"""Worker-side scenarios for the checkpoint tests: any strategy (ours or Lightning DDP) at any world size on the
+zoo model, with the same global batches whatever the world size (accumulation x world is kept constant)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+
+from lightning_shard.core import collectives as C
+from lightning_shard.strategies import FSDPShardStrategy, ShardedCheckpointIO, Zero3Strategy, ZeroStrategy
+from tests.zoo import MICRO, RankMicroBatches, ZooModule, dataset
+
+GLOBAL_MICRO = 4  # micro-batches per optimizer step, over all ranks
+
+
+def make(kind: str, **kw: Any):
+    if kind == "ddp":
+        return DDPStrategy(checkpoint_io=ShardedCheckpointIO())
+    if kind == "zero3":
+        return Zero3Strategy(find_unused_parameters=True, **kw)
+    if kind == "fsdp":
+        return FSDPShardStrategy(wrap_classes=["Linear"], find_unused_parameters=True, **kw)
+    return ZeroStrategy(stage=int(kind[-1]), bucket_mb=0.0005, find_unused_parameters=True, **kw)
+
+
+def _full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
+    getter = getattr(trainer.strategy, "full_state_dict", None)
+    state = getter() if getter is not None else module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from: Optional[str] = None,
+             optimizer: str = "sgd", kill_rank_at: Optional[int] = None, **strategy_kw: Any) -> dict[str, Any]:
+    world, rank = C.get_world_size(), C.get_rank()
+    acc = GLOBAL_MICRO // world
+    L.seed_everything(0, verbose=False)
+    module = ZooModule(optimizer, unused=False)
+    callbacks: list[L.Callback] = []
+    if ckpt_dir:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1,
+                                                             save_last=True))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=make(kind, **strategy_kw), max_steps=steps,
+                        accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks)
+    data = dataset(3, acc, world)  # one epoch = 3 optimizer steps; same samples for every world size
+    trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
+                ckpt_path=resume_from)
+    return {"state": _full_state(trainer, module)}
+
+
+def plain_fit(steps: int, resume_from: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Single process, plain Lightning Trainer (no lightning_shard strategy), reading our checkpoints through
+    ShardedCheckpointIO."""
+    L.seed_everything(0, verbose=False)
+    module = ZooModule("sgd", unused=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=GLOBAL_MICRO,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        plugins=[ShardedCheckpointIO(world_size=1, accumulate_grad_batches=GLOBAL_MICRO)])
+    trainer.fit(module, DataLoader(dataset(3, GLOBAL_MICRO, 1), batch_size=MICRO), ckpt_path=resume_from)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def save_then_crash(path: str, crash_rank: int) -> str:
+    """A sharded save during which ``crash_rank`` dies (SIGKILL-like ``os._exit``) while writing its file."""
+    import lightning_shard.strategies.checkpointing as ck
+
+    real = ck.write_rank_file
+
+    def dying(tmp, rank, pieces):
+        if rank == crash_rank:
+            with open(tmp / f"rank{rank:05d}.pt", "wb") as f:
+                f.write(b"PK\x03\x04 half a file")
+                f.flush()
+            os._exit(9)
+        real(tmp, rank, pieces)
+
+    ck.write_rank_file = dying
+    module = ZooModule("sgd", unused=False)
+    trainer = L.Trainer(accelerator="cpu", devices=C.get_world_size(), strategy=make("zero2"), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    data = dataset(1, 2, 2)
+    trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, 2, C.get_rank())))
+    trainer.save_checkpoint(path)
+    return "saved"

@@ -1,0 +1,191 @@
+"""Sharded checkpoints (issue 4): exact resume, resharding across world sizes and strategies (and Lightning's
+DDPStrategy both ways), consolidation, crash safety, size, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_shard.cli import main as cli
+from lightning_shard.core.checkpoint import CheckpointError, Reader
+from lightning_shard.core.consolidate import lightning_checkpoint
+from tests.ckpt_scenarios import fit_ckpt, plain_fit, save_then_crash
+from tests.harness import World
+from tests.zoo import ZooNet, max_diff, params_of
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    made: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        if n not in made:
+            made[n] = World(n)
+        return made[n]
+
+    yield get
+    for w in made.values():
+        w.close()
+
+
+@pytest.mark.parametrize("kind", ["zero0", "zero1", "zero2", "zero3", "fsdp"])
+def test_exact_resume_sharded(worlds, tmp_path, kind):
+    straight = worlds(2).run(fit_ckpt, kind, 6, ckpt_dir=str(tmp_path), optimizer="adam")
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    assert (ckpt / "meta.json").is_file() and (ckpt / "rank00000.pt").is_file()
+    resumed = worlds(2).run(fit_ckpt, kind, 6, resume_from=str(ckpt), optimizer="adam")
+    for a, b in zip(straight, resumed):
+        assert max_diff(a["state"], b["state"]) == 0.0  # bitwise, buffers included
+
+
+# (saved by, world) -> (resumed by, world): continuation equals the uninterrupted run of the saver
+RESHARD = [
+    (("zero2", 4), ("zero2", 2)),
+    (("zero2", 4), ("plain", 1)),
+    (("zero3", 2), ("zero3", 4)),
+    (("zero2", 2), ("zero3", 2)),
+    (("fsdp", 2), ("zero1", 2)),
+    (("zero3", 2), ("plain", 1)),
+    (("ddp", 2), ("zero2", 2)),
+    (("zero2", 2), ("ddp", 2)),
+]
+
+
+@pytest.mark.parametrize("src,dst", RESHARD, ids=[f"{a[0]}{a[1]}-to-{b[0]}{b[1]}" for a, b in RESHARD])
+def test_reshard_matrix(worlds, tmp_path, src, dst):
+    straight = worlds(src[1]).run(fit_ckpt, src[0], 6, ckpt_dir=str(tmp_path))[0]["state"]
+    ckpt = str(tmp_path / "epoch=0-step=3.ckpt")
+    if dst[0] == "plain":
+        resumed = [plain_fit(6, resume_from=ckpt)]
+    else:
+        resumed = [r["state"] for r in worlds(dst[1]).run(fit_ckpt, dst[0], 6, resume_from=ckpt)]
+    for state in resumed:
+        assert max_diff(params_of(state), params_of(straight)) <= 1e-5
+
+
+def test_resume_from_last_and_save_top_k_removes_directories(worlds, tmp_path):
+    worlds(2).run(fit_ckpt, "zero3", 6, ckpt_dir=str(tmp_path))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"], names
+    assert not list(tmp_path.glob("*.tmp-*"))
+    # save_top_k=1 keeps one directory: older ones are removed as directories
+    from tests import ckpt_scenarios
+
+    keep = tmp_path / "keep"
+    worlds(2).run(_fit_top1, str(keep))
+    assert len([p for p in keep.iterdir() if p.name.startswith("epoch")]) == 1
+
+
+def _fit_top1(path: str) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_shard.core import collectives as C
+    from tests.ckpt_scenarios import make
+    from tests.zoo import RankMicroBatches, ZooModule, dataset
+
+    cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=path, every_n_train_steps=2, save_top_k=1, monitor="step",
+                                             mode="max")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make("zero2"), max_steps=6, logger=False,
+                        accumulate_grad_batches=2, use_distributed_sampler=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb])
+    data = dataset(3, 2, 2)
+    trainer.fit(ZooModule(unused=False), DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, 2, C.get_rank())))
+
+
+def test_consolidated_weights_load_into_bare_module(worlds, tmp_path):
+    live = worlds(2).run(fit_ckpt, "zero3", 3, ckpt_dir=str(tmp_path))[0]["state"]
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    out = tmp_path / "bare.pt"
+    assert cli(["consolidate", str(ckpt), str(out), "--strip-prefix", "net."]) == 0
+    weights = torch.load(out, weights_only=True)
+    bare = ZooNet()
+    bare.load_state_dict(weights, strict=True)
+    for k, v in bare.state_dict().items():
+        assert torch.equal(v, live[f"net.{k}"]), k
+    full = tmp_path / "full.ckpt"
+    assert cli(["consolidate", str(ckpt), str(full), "--lightning"]) == 0
+    assert torch.load(full, weights_only=True)["global_step"] == 3
+
+
+def test_checkpoint_size_has_no_duplication(worlds, tmp_path):
+    worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "s"), optimizer="adam")
+    worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "f"), optimizer="adam", state_dict_type="full")
+    sharded = sum(p.stat().st_size for p in (tmp_path / "s" / "epoch=0-step=3.ckpt").glob("rank*.pt"))
+    tensors = Reader(tmp_path / "s" / "epoch=0-step=3.ckpt")
+    payload = sum(tensors.read(k).numel() * tensors.read(k).element_size() for k in tensors.index)
+    full_ckpt = torch.load(tmp_path / "f" / "epoch=0-step=3.ckpt", weights_only=False)
+    full_bytes = sum(v.numel() * v.element_size() for v in full_ckpt["state_dict"].values()
+                     if v.data_ptr() != full_ckpt["state_dict"]["net.emb.weight"].data_ptr() or "head" not in "")
+    assert payload <= full_bytes * 3 + 1  # weights + two Adam moments, each element once
+    # every element of every tensor is stored exactly once across the rank files
+    for key, pieces in tensors.index.items():
+        covered = sum(p.hi - p.lo for p in pieces)
+        assert covered == max(p.hi for p in pieces), key
+    assert sharded > payload  # file framing; reported in the README for a bigger model
+
+
+def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    good = tmp_path / "good.ckpt"
+    w = World(2)
+    try:
+        w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "first"))
+        shutil.copytree(tmp_path / "first" / "epoch=0-step=3.ckpt", good)
+        with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
+            w.run(save_then_crash, str(tmp_path / "crashed.ckpt"), 1)
+    finally:
+        w.close(force=True)
+    assert not (tmp_path / "crashed.ckpt").exists()  # never committed
+    leftovers = list(tmp_path.glob("crashed.ckpt.tmp-*"))
+    assert leftovers and not (leftovers[0] / "meta.json").exists()
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        Reader(leftovers[0])
+    assert lightning_checkpoint(Reader(good))["global_step"] == 3
+
+
+def test_bad_checkpoints_are_named(worlds, tmp_path):
+    worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "c"))
+    src = tmp_path / "c" / "epoch=0-step=3.ckpt"
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        Reader(tmp_path)  # a directory that is not a checkpoint
+    bad = tmp_path / "version"
+    shutil.copytree(src, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    (bad / "meta.json").write_text(json.dumps(dict(meta, version=99)))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        Reader(bad)
+    trunc = tmp_path / "truncated"
+    shutil.copytree(src, trunc)
+    data = (trunc / "rank00001.pt").read_bytes()
+    (trunc / "rank00001.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"rank00001.pt cannot be read safely"):
+        lightning_checkpoint(Reader(trunc))
+    with pytest.raises(RuntimeError, match="does not match this model: missing"):
+        worlds(2).run(_resume_other_model, str(src))
+
+
+def _resume_other_model(path: str) -> None:
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.ckpt_scenarios import make
+
+    class Other(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(3, 3)
+
+        def training_step(self, batch, i):
+            return self.body(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make("zero3"), max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Other(), DataLoader(TensorDataset(torch.randn(8, 3)), batch_size=2), ckpt_path=path)
