@@ -56,10 +56,12 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
              save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
              strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
-             delay_gather_s: float = 0.0, num_nodes: int = 1) -> dict[str, Any]:
+             delay_gather_s: float = 0.0, num_nodes: int = 1, activation_checkpointing: bool = False
+             ) -> dict[str, Any]:
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
-    module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused)
+    module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused,
+                         activation_checkpointing=activation_checkpointing)
     recorder = Recorder()
     recorder.record_events = record_events
     C.set_artificial_delay("all_gather", delay_gather_s)

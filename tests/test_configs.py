@@ -1,4 +1,10 @@
-"""Every shipped config composes (DESIGN rule 6) and the batch arithmetic refuses bad shapes (rule 8)."""
+"""Every shipped config composes and instantiates (DESIGN rule 6); the batch arithmetic refuses bad shapes (rule 8).
+
+Hydra composition costs ~0.25 s here, so the strategy x topology x recipe product (9 x 8 x 7) is covered as:
+Hydra composes every strategy x topology pair (with its machine/ and specialize/ groups), and each of those is
+checked with every recipe node (each recipe composed once by Hydra, then swapped in): the pre-launch check
+either passes or refuses the combination with a message naming the key. Each group option is instantiated once.
+"""
 
 from __future__ import annotations
 
@@ -7,80 +13,185 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
 
+from lightning_shard.app.checks import ConfigError
+from lightning_shard.app.launch import topology_from_node
 from lightning_shard.batching import derive_accumulation
-from lightning_shard.train import REQUIRED_KEYS, build_trainer_kwargs, check_config
+from lightning_shard.strategies import REGISTERED
+from lightning_shard.train import REQUIRED_KEYS, build_callbacks, build_loggers, build_trainer_kwargs, check_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
-RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
-TRAINERS = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml"))
-ZERO_KNOBS = {"accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
-              "timeout_s"}
 
 
-def _compose(overrides: list[str]):
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+STRATEGIES, TOPOLOGIES, RECIPES = _options("strategy"), _options("topology"), _options("recipe")
+TRAINERS, LOGGERS, CALLBACKS, EXPERIMENTS = (_options(g) for g in ("trainer", "logger", "callbacks", "experiment"))
+HYBRID = {s for s in STRATEGIES if s.endswith("_hybrid")}
+HAS_TRANSFORMERS = __import__("importlib").util.find_spec("transformers") is not None
+HAS_SKLEARN = __import__("importlib").util.find_spec("sklearn") is not None
+
+
+def _compose(overrides: list[str], hydra_config: bool = False):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=overrides, return_hydra_config=hydra_config)
 
 
-def test_config_groups_are_not_empty():
-    assert {"zero0", "zero1", "zero2"} <= set(STRATEGIES)
-    assert "gpt_tiny" in RECIPES and "cpu" in TRAINERS
+@pytest.fixture(scope="module")
+def recipe_nodes():
+    return {r: _compose([f"recipe={r}"]).recipe for r in RECIPES}
 
 
-def test_default_composition():
+def test_every_registered_strategy_has_a_config():
+    assert set(REGISTERED) <= set(STRATEGIES)
+    assert {"gpt_tiny", "gpt_test", "gpt_1b", "hf_causal_lm", "hf_causal_lm_lora", "digits", "synthetic"} <= set(RECIPES)
+    assert {"csv", "tensorboard"} <= set(LOGGERS)
+
+
+def test_default_composition_is_the_main_job():
     cfg = _compose([])
     assert cfg.strategy._target_ == "lightning_shard.strategies.Zero2Strategy"
-    assert cfg.recipe.name == "gpt_tiny"
-    assert cfg.trainer.accelerator == "cpu"
+    assert cfg.recipe.name == "gpt_tiny" and cfg.topology.name == "cpu"
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == ("cpu", 2, 1)
+    assert check_config(cfg) == 2
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("topology,accelerator,devices,nodes", [
+    ("cpu", "cpu", 2, 1), ("cpu_2x2", "cpu", 4, 1), ("hgx_h100_8", "gpu", 8, 1), ("hgx_h100_2nodes_ib", "gpu", 8, 2),
+    ("a100_pcie_4_pairs", "gpu", 8, 1)])
+def test_devices_and_nodes_come_from_the_topology(topology, accelerator, devices, nodes):
+    cfg = _compose([f"topology={topology}"])
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == (accelerator, devices, nodes)
+    cfg = _compose([f"topology={topology}", "trainer.devices=1"])  # an explicit value still wins
+    assert cfg.trainer.devices == 1
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_combination_composes(strategy, recipe, trainer):
-    cfg = _compose([f"strategy={strategy}", f"recipe={recipe}", f"trainer={trainer}"])
-    OmegaConf.resolve(cfg)  # interpolations resolve
-    for key in REQUIRED_KEYS:
-        assert OmegaConf.select(cfg, key, default=None) is not None, key
-    accumulate = check_config(cfg)
-    assert accumulate >= 1
-    kwargs = build_trainer_kwargs(cfg, accumulate)
+def test_every_combination_composes_and_checks(strategy, recipe_nodes):
     accepted = set(inspect.signature(L.Trainer.__init__).parameters)
-    assert set(kwargs) <= accepted, set(kwargs) - accepted
-    assert kwargs["accumulate_grad_batches"] == accumulate
-    assert kwargs["val_check_interval"] % accumulate == 0  # validation lands on an optimizer step
-    # the model's block size follows the data's
-    assert cfg.recipe.model.block_size == cfg.recipe.data.block_size
+    ok = 0
+    for topology in TOPOLOGIES:
+        cfg = _compose([f"strategy={strategy}", f"topology={topology}"])
+        for recipe, node in recipe_nodes.items():
+            with open_dict(cfg):
+                cfg.recipe = node
+            OmegaConf.resolve(OmegaConf.masked_copy(cfg, ["strategy", "topology", "recipe", "trainer"]))
+            for key in REQUIRED_KEYS:
+                assert OmegaConf.select(cfg, key, default=None) is not None, key
+            try:
+                accumulate = check_config(cfg)
+            except ConfigError as err:  # an impossible combination, refused with the key that makes it so
+                assert "recipe.micro_batch_size" in str(err) or "strategy.shard_size" in str(err), str(err)
+                assert strategy in HYBRID or "recipe.micro_batch_size" in str(err), str(err)
+                continue
+            ok += 1
+            kwargs = build_trainer_kwargs(cfg, accumulate)
+            assert set(kwargs) <= accepted, set(kwargs) - accepted
+            assert kwargs["val_check_interval"] % accumulate == 0  # validation lands on an optimizer step
+            assert kwargs["devices"] * kwargs["num_nodes"] * cfg.recipe.micro_batch_size * accumulate == \
+                cfg.recipe.global_batch_size
+    assert ok > 0  # every strategy has at least one runnable combination
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s.startswith("zero")])
-def test_zero_strategy_knobs(strategy):
-    cfg = _compose([f"strategy={strategy}"])
-    stage = strategy[-1]
-    assert cfg.strategy._target_ == f"lightning_shard.strategies.Zero{stage}Strategy"
-    assert set(cfg.strategy) - {"_target_"} == ZERO_KNOBS
-    assert cfg.strategy.accumulation in {"defer", "auto", "per_micro_batch"}
-    if stage in "01":
-        assert cfg.strategy.accumulation in {"defer", "auto"}
-    assert cfg.strategy.start_method in {"popen", "fork", "spawn"}
-    assert cfg.strategy.reduce_dtype in {None, "bf16", "fp16"}
+def test_main_cpu_combinations_all_pass(recipe_nodes):
+    for strategy in sorted(set(STRATEGIES) - HYBRID):
+        for recipe in ("gpt_tiny", "gpt_test", "digits", "synthetic", "hf_causal_lm"):
+            cfg = _compose([f"strategy={strategy}", f"recipe={recipe}"])
+            assert check_config(cfg) >= 1
+    for strategy in HYBRID:  # hybrid needs islands: the 2x2 CPU preset has two
+        assert check_config(_compose([f"strategy={strategy}", "topology=cpu_2x2", "recipe=gpt_tiny"])) == 1
 
 
+def test_specialization_group_applies():
+    assert _compose(["strategy=zero3", "topology=pcie_8"]).strategy.reshard_after_forward is False
+    assert _compose(["strategy=zero3", "topology=hgx_h100_8"]).strategy.reshard_after_forward is True
+
+
+# ------------------------------------------------------------------------------------------ instantiation
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_configs_instantiate(strategy):
-    """The knobs map onto the strategy constructors (skipped while the strategies cannot be imported)."""
-    target = _compose([f"strategy={strategy}"]).strategy._target_
-    pytest.importorskip(target.rsplit(".", 1)[0])
-    from hydra.utils import instantiate
+    cfg = _compose([f"strategy={strategy}", "topology=cpu_2x2"])
+    obj = instantiate(cfg.strategy, _convert_="all")
+    assert type(obj).__name__ == cfg.strategy._target_.rsplit(".", 1)[1]
+    if strategy in HYBRID:
+        assert obj.shard_size == "auto" and obj.topology_spec == "cpu_2x2"
 
-    obj = instantiate(_compose([f"strategy={strategy}"]).strategy)
-    assert type(obj).__name__ == target.rsplit(".", 1)[1]
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_topology_presets_build(topology):
+    cfg = _compose([f"topology={topology}"])
+    topo = topology_from_node(OmegaConf.to_container(cfg.topology, resolve=True))
+    assert topo.devices_per_node == cfg.trainer.devices and topo.num_nodes == cfg.trainer.num_nodes
+    assert len(topo.islands) >= 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipes_instantiate_and_state_hardware_and_result(recipe):
+    if recipe.startswith("hf_") and not HAS_TRANSFORMERS:
+        pytest.skip("transformers not installed (pip install -e '.[hf]')")
+    if recipe == "digits" and not HAS_SKLEARN:
+        pytest.skip("scikit-learn not installed (pip install -e '.[digits]')")
+    cfg = _compose([f"recipe={recipe}"])
+    assert cfg.recipe.hardware != "?" and cfg.recipe.expected != "?", "a recipe states its hardware and result"
+    assert cfg.recipe.name == recipe
+    dm = instantiate(cfg.recipe.data, micro_batch_size=cfg.recipe.micro_batch_size, seed=0, _convert_="all")
+    assert isinstance(dm, L.LightningDataModule)
+    if recipe == "gpt_1b":  # 1B parameters: built on the meta device, counted, never allocated
+        with torch.device("meta"):
+            module = instantiate(cfg.recipe.model, _convert_="all")
+        assert 0.95e9 < module.model.num_parameters() < 1.1e9
+        return
+    module = instantiate(cfg.recipe.model, _convert_="all")
+    assert isinstance(module, L.LightningModule)
+    if recipe == "hf_causal_lm_lora":
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        assert 0 < trainable < sum(p.numel() for p in module.parameters()) / 4
+
+
+def _with_output_dir(tmp_path, overrides):
+    cfg = _compose(overrides, hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("logger", LOGGERS)
+def test_logger_configs_instantiate(logger, tmp_path):
+    if logger == "tensorboard":
+        pytest.importorskip("tensorboard")
+    cfg = _with_output_dir(tmp_path, [f"logger={logger}"])
+    loggers = build_loggers(cfg)
+    assert len(loggers) == {"none": 0, "csv": 1, "tensorboard": 2}[logger]
+    assert all(str(tmp_path) in lg.save_dir for lg in loggers)
+
+
+@pytest.mark.parametrize("callbacks", CALLBACKS)
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_callbacks_and_trainer_configs_instantiate(callbacks, trainer):
+    cfg = _compose([f"callbacks={callbacks}", f"trainer={trainer}"])
+    cbs = build_callbacks(cfg)
+    names = {type(c).__name__ for c in cbs}
+    assert "ShardMetrics" in names
+    assert ("RichProgressBar" in names) == (callbacks == "default" and cfg.trainer.enable_progress_bar)
+    L.Trainer(**build_trainer_kwargs(cfg, check_config(cfg)), callbacks=cbs, logger=False,
+              strategy=instantiate(cfg.strategy))  # the Trainer accepts every key
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiments_compose(experiment):
+    cfg = _compose([f"experiment={experiment}"])
+    accumulate = check_config(cfg)
+    assert accumulate >= 1 and cfg.seed == 1234
 
 
 def test_every_shipped_config_says_what_it_is():
@@ -112,25 +223,18 @@ def test_not_divisible_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True])
 def test_non_positive_integers_are_refused(bad):
-    with pytest.raises(ValueError, match="positive integer"):
-        derive_accumulation(bad, 1, 1)
-    with pytest.raises(ValueError, match="positive integer"):
-        derive_accumulation(8, bad, 1)
-    with pytest.raises(ValueError, match="positive integer"):
-        derive_accumulation(8, 1, bad)
+    for args in ((bad, 1, 1), (8, bad, 1), (8, 1, bad)):
+        with pytest.raises(ValueError, match="positive integer"):
+            derive_accumulation(*args)
 
 
-def test_check_config_refuses_bad_batches_from_overrides():
-    with pytest.raises(ValueError, match="recipe.global_batch_size"):
-        check_config(_compose(["recipe.global_batch_size=30", "recipe.micro_batch_size=4"]))
-    with pytest.raises(ValueError, match="recipe.micro_batch_size"):
-        check_config(_compose(["recipe.global_batch_size=8", "recipe.micro_batch_size=8"]))
-    # world size is devices * num_nodes: 32 / (8 * 2 * 2) = 1 works, 32 / (8 * 2 * 3) does not
+def test_world_size_comes_from_the_topology():
+    # gpt_tiny: 32 / (8 * 2) = 2 on topology=cpu; cpu_2x2 has 4 devices: 32 / (8 * 4) = 1
+    assert check_config(_compose([])) == 2
+    assert check_config(_compose(["topology=cpu_2x2"])) == 1
     assert check_config(_compose(["trainer.num_nodes=2"])) == 1
     with pytest.raises(ValueError, match="8 \\* 6 = 48"):
         check_config(_compose(["trainer.num_nodes=3"]))
-
-
-def test_check_config_refuses_typed_accumulation():
-    with pytest.raises(ValueError, match="accumulate_grad_batches"):
-        check_config(_compose(["+trainer.accumulate_grad_batches=4"]))
+    with pytest.raises(ValueError, match="8 \\* 8 = 64"):  # 8 GPUs: the tiny recipe's global batch is too small
+        check_config(_compose(["topology=hgx_h100_8"]))
+    assert check_config(_compose(["topology=hgx_h100_8", "recipe.global_batch_size=128"])) == 2

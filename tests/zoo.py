@@ -49,7 +49,7 @@ class ZooNet(nn.Module):
 
 class ZooModule(L.LightningModule):
     def __init__(self, optimizer: str = "sgd", bn: bool = True, manual: bool = False, acc: int = 1,
-                 unused: bool = True) -> None:
+                 unused: bool = True, **_: Any) -> None:
         super().__init__()
         torch.manual_seed(1234)
         self.net = ZooNet(bn)
@@ -102,12 +102,19 @@ class TinyLMModule(L.LightningModule):
 
     SEQ = 8
 
-    def __init__(self, optimizer: str = "sgd", **_: Any) -> None:
+    def __init__(self, optimizer: str = "sgd", activation_checkpointing: bool = False, **_: Any) -> None:
         super().__init__()
         from recipes.gpt import GPT
 
         torch.manual_seed(1234)
         self.model = GPT(vocab_size=VOCAB, block_size=self.SEQ, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+        if activation_checkpointing:  # non-reentrant checkpoint inside each block: recomputed in backward
+            from functools import partial
+
+            from torch.utils.checkpoint import checkpoint
+
+            for block in self.model.blocks:
+                block.forward = partial(checkpoint, block.forward, use_reentrant=False)
         self.optimizer_name = optimizer
         self.grad_norms: list[float] = []
 

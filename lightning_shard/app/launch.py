@@ -19,15 +19,25 @@ from lightning_shard.topology.presets import build_preset, list_presets, read_pr
 FACTS = ("accelerator", "devices_per_node", "num_nodes", "islands_per_node", "name")
 
 
+@lru_cache(maxsize=64)
+def _preset(name: str) -> dict[str, Any]:
+    return read_preset(name)
+
+
+@lru_cache(maxsize=1)
+def _preset_names() -> tuple[str, ...]:
+    return tuple(list_presets())
+
+
 def _merged(node: Mapping[str, Any]) -> dict[str, Any]:
     name = node.get("name")
     if not name:
         raise ValueError("topology.name is missing; choose a preset with topology=<name> "
-                         f"(one of {', '.join(list_presets())})")
+                         f"(one of {', '.join(_preset_names())})")
     given = {k: v for k, v in node.items() if v is not None}
-    base = read_preset(name) if name in list_presets() else {}
+    base = dict(_preset(name)) if name in _preset_names() else {}
     if "base" in given:  # a composed preset that inherits: its own keys win over the base's
-        base = {**read_preset(given["base"]), **{k: v for k, v in base.items() if k != "base"}}
+        base = {**_preset(given["base"]), **{k: v for k, v in base.items() if k != "base"}}
     merged = {**base, **{k: v for k, v in given.items() if k != "base"}}
     return merged
 

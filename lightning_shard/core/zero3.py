@@ -121,6 +121,9 @@ class ParamShardController:
         def hook(module: nn.Module, args: Any) -> None:
             if self._handles_paused:
                 return
+            if torch._C._current_graph_task_id() != -1:  # recomputation in backward (activation checkpointing)
+                self._materialize(unit)  # gathered again if it was freed, e.g. a nested unit of the block
+                return
             if self._recording and torch.is_grad_enabled() and unit.index not in self._pos:
                 self._pos[unit.index] = len(self.fwd_order)
                 self.fwd_order.append(unit.index)
@@ -133,6 +136,10 @@ class ParamShardController:
     def _post_forward_hook(self, unit: Unit):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._handles_paused:
+                return
+            if torch._C._current_graph_task_id() != -1:
+                # activation checkpointing recomputes this forward inside backward: the unit is gathered for
+                # its backward already and must stay so; its outputs are not a new backward entry point
                 return
             self._event("forward_done", unit)
             self._hook_backward(unit, output)
