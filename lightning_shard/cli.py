@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "topo": "lightning_shard.topology.cli_topo",
     "plan": "lightning_shard.planner.cli_plan",
     "consolidate": "lightning_shard.cli_consolidate",
+    "train": "lightning_shard.app.cli_train",
 }
 
 

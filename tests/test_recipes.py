@@ -150,3 +150,62 @@ def test_twenty_step_fit_lowers_the_loss():
     assert s["final_val_step"] == 20 and s["final_val_loss"] < s["first_train_loss"] - 1.0
     assert module.tokens_seen == 20 * 2 * 16 * 32 and s["tokens_per_s"] > 0
     assert s["memory"]["total"] > 0
+
+
+# ------------------------------------------------------------------------------------ synthetic, LoRA, digits, HF
+def test_synthetic_tokens_are_fixed_and_deterministic():
+    from recipes.synthetic import SyntheticTokens
+
+    ds = SyntheticTokens(num_samples=10, block_size=8, vocab_size=50, seed=3)
+    x, y = ds[4]
+    assert x.shape == (8,) and torch.equal(x[1:], y[:-1]) and int(x.max()) < 50
+    assert torch.equal(ds[4][0], SyntheticTokens(10, 8, 50, seed=3)[4][0])
+    assert not torch.equal(ds[4][0], ds[5][0])
+
+
+def test_lora_starts_at_the_base_model_and_trains_only_adapters():
+    from recipes.lora import LoRALinear, apply_lora
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    before = model(x)
+    names = apply_lora(model, targets=["0", "2"], r=2, alpha=4)
+    assert names == ["0", "2"] and isinstance(model[0], LoRALinear)
+    assert torch.allclose(model(x), before)  # B = 0: the adapted model is the base model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"0.lora_a", "0.lora_b", "2.lora_a", "2.lora_b"}
+    with pytest.raises(ValueError, match="match no module"):
+        apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), targets=["q_proj"])
+
+
+def test_digits_split_is_stratified_and_deterministic():
+    pytest.importorskip("sklearn")
+    from recipes.digits import DigitsDataModule
+
+    a, b = DigitsDataModule(micro_batch_size=16), DigitsDataModule(micro_batch_size=16)
+    a.setup(), b.setup()
+    assert len(a.train_set) + len(a.val_set) == 1797 and 340 < len(a.val_set) < 380
+    assert torch.equal(a.val_set.tensors[1], b.val_set.tensors[1])
+    assert torch.bincount(a.val_set.tensors[1]).min() >= 30  # every class in validation
+
+
+def test_hf_tiny_llama_lora_fit_lowers_the_loss():
+    pytest.importorskip("transformers")
+    from recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    cfg = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    full = HFCausalLM(config=cfg)
+    module = HFCausalLM(config=cfg, lora={"r": 4, "alpha": 8, "targets": "auto"}, lr=2e-2, warmup_steps=1)
+    assert module.lora_modules and all(n.endswith(("q_proj", "v_proj")) for n in module.lora_modules)
+    assert module.trainable_parameters() < full.trainable_parameters() / 4
+    dm = HFTextDataModule(tokenizer=None, block_size=32, micro_batch_size=8, max_bytes=60_000, max_val_windows=8)
+    comm = CommSummary()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=15, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[comm])
+    trainer.fit(module, datamodule=dm)
+    assert comm.step_losses[-1] < comm.step_losses[0] - 0.3

@@ -159,7 +159,10 @@ def check_all(cfg: Mapping[str, Any], islands_per_node: int) -> int:
     """Run every check on the resolved config; return ``accumulate_grad_batches``."""
     trainer = cfg["trainer"]
     world = world_size_of(trainer)
-    accumulate = derive_accumulation(cfg["recipe"]["global_batch_size"], cfg["recipe"]["micro_batch_size"], world)
+    try:
+        accumulate = derive_accumulation(cfg["recipe"]["global_batch_size"], cfg["recipe"]["micro_batch_size"], world)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     check_strategy(cfg["strategy"], islands_per_node, trainer["num_nodes"], world)
     check_recipe(cfg["recipe"])
     return accumulate

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -79,10 +79,15 @@ def ring_wire_bytes(op: str, nbytes: int, world: int) -> float:
 
 
 class Ledger:
-    """Thread-safe record of collectives issued by this process (gradient hooks run off the main thread)."""
+    """Thread-safe record of collectives issued by this process (gradient hooks run off the main thread).
 
-    def __init__(self) -> None:
-        self._entries: list[LedgerEntry] = []
+    Bounded: the last ``max_entries`` calls are kept (enough for many optimizer steps of any model), plus
+    running totals per (op, group) since the start; a long run does not grow memory."""
+
+    def __init__(self, max_entries: int = 20_000) -> None:
+        self._entries: deque[LedgerEntry] = deque(maxlen=max_entries)
+        self._count = 0  # entries ever recorded: marks are positions in this sequence
+        self.totals: dict[tuple[str, str], dict[str, float]] = {}
         self._lock = threading.Lock()
 
     def record(self, op: str, group: Any, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
@@ -93,19 +98,29 @@ class Ledger:
                             str(tensor.dtype).replace("torch.", ""))
         with self._lock:
             self._entries.append(entry)
+            self._count += 1
+            row = self.totals.setdefault((entry.op, entry.group), {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+            row["count"] += 1
+            row["bytes"] += entry.bytes
+            row["wire_bytes"] += entry.wire_bytes
 
     def mark(self) -> int:
         """Position to pass to :meth:`since` later."""
         with self._lock:
-            return len(self._entries)
+            return self._count
 
     def since(self, mark: int = 0) -> list[LedgerEntry]:
+        """Entries recorded after ``mark`` (those still kept: at most ``max_entries``)."""
         with self._lock:
-            return list(self._entries[mark:])
+            first = self._count - len(self._entries)
+            skip = max(0, mark - first)
+            return list(self._entries)[skip:]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.totals.clear()
+            self._count = 0
 
     @staticmethod
     def summarize(entries: list[LedgerEntry]) -> dict[tuple[str, str], dict[str, float]]:

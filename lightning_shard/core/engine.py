@@ -66,7 +66,8 @@ class ShardEngine:
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
                  replicate_group: Any = None, overlap_param_gather: bool = True,
-                 optim_chunk_mb: float = 4.0) -> None:
+                 optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
+                 debug_collectives: bool = False) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -98,6 +99,9 @@ class ShardEngine:
             validate_optimizer(opt, allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
         self.deferred = deferred
+        self.skip_nonfinite, self.debug_collectives = skip_nonfinite, debug_collectives
+        self._check_same_model()
+        self._ledger_mark = C.LEDGER.mark()
         if deferred is None:  # deferred init: every rank computes the same values from the same RNG state
             sync_module_states(self.module, None)
         elif stage != 3:
@@ -109,6 +113,7 @@ class ShardEngine:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
                                numel=deferred.numel if deferred is not None else (lambda p: p.numel()))
+            self._agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
             self.buckets, self.units = self._build_unit_buckets(specs, owner)
             self.controller = ParamShardController(self, self.units, cfg.reshard_after_forward, cfg.prefetch_depth)
         else:
@@ -131,6 +136,54 @@ class ShardEngine:
         self.last_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ desync detection
+    def _agree(self, what: str, mine: list, hint: str) -> None:
+        """Every rank must hold the same ``mine``; otherwise raise on every rank, naming the first difference."""
+        if C.get_world_size() == 1:
+            return
+        everyone = C.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            if theirs == everyone[0]:
+                continue
+            i = next((k for k, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), min(len(theirs), len(everyone[0])))
+            a = everyone[0][i] if i < len(everyone[0]) else "<nothing>"
+            b = theirs[i] if i < len(theirs) else "<nothing>"
+            raise ValueError(f"rank desync in the {what}: entry {i} differs between ranks 0 and {rank}: rank 0 has {a}, "
+                             f"rank {rank} has {b} ({len(everyone[0])} vs {len(theirs)} entries). Every rank must build "
+                             f"the same model; check the {hint}.")
+
+    def _check_same_model(self) -> None:
+        sizes = self.deferred.shapes if self.deferred is not None else {}
+        fp = [(n, tuple(sizes.get(id(p), p.shape)), str(p.dtype), p.requires_grad)
+              for n, p in self.module.named_parameters()]
+        self._agree("model parameters", fp, "parameter names, shapes, dtypes, order and requires_grad")
+
+    def check_collective_sequence(self) -> None:
+        """Debug (``debug_collectives=True``): all ranks issued the same collectives since the last check."""
+        mine = [(e.op, e.group, e.bytes, e.tag) for e in C.LEDGER.since(self._ledger_mark)]
+        self._agree("sequence of collectives since the last optimizer step", mine,
+                    "code paths that communicate on some ranks only (data-dependent branches, rank-specific logging)")
+        self._ledger_mark = C.LEDGER.mark()
+
+    def find_nonfinite(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
+        """Name of the first parameter with a non-finite gradient on any rank (agreed on every rank), or None."""
+        local = None
+        for b in self.binding_for(optimizer).buckets:
+            g = b.shard_param.grad
+            if g is None or not g.numel() or bool(torch.isfinite(g).all()):
+                continue
+            bad = int((~torch.isfinite(g)).nonzero()[0]) + b.own_lo
+            slot = next(s for s in b.layout.slots if s.offset <= bad < s.end)
+            local = f"{slot.name} (rank {self.rank if self.total_world == self.world else C.get_rank()})"
+            break
+        flag = torch.tensor(0.0 if local is None else 1.0, device=self.buckets[0].device)
+        if self.total_world > 1:
+            C.all_reduce(flag, op="max", group=None, tag="nonfinite")
+        if not flag.item():
+            return None
+        names = C.all_gather_object(local) if self.total_world > 1 else [local]
+        return next(n for n in names if n is not None)
+
     def _param_owners(self) -> dict[int, tuple[int, int]]:
         """``id(param) -> (optimizer index, param group index)``, validating the optimizers' parameters."""
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
@@ -347,6 +400,8 @@ class ShardEngine:
 
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
+        if self.debug_collectives:
+            self.check_collective_sequence()
         buckets = self.binding_for(optimizer).buckets
         for b in buckets:
             b.restore_unused(optimizer.state)

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Union
 from torch import nn
 
 ROOT = "<root>"
+CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
 
 
 @dataclass
@@ -71,7 +72,10 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
                          "or min_params=N (wrap modules with at least N parameters)")
     modules = dict(root.named_modules())
     if granularity == "zero3":
-        unit_names = [n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False))]
+        # containers have no forward of their own to hook: their parameters are read by the parent's code,
+        # so they go to the parent's unit (the root unit when the parent is the LightningModule)
+        unit_names = [n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False))
+                      and not isinstance(m, CONTAINERS)]
     else:
         unit_names = []
         for n, m in modules.items():

@@ -39,6 +39,7 @@ class StrategyConfig:
     bucket_mb: float = 25.0
     prefetch_depth: int = 1
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
+    overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES[self.stage] and not (self.stage == 3 and self.policy == "defer"):

@@ -16,8 +16,10 @@ e.g. the F09 capture in tests/assets/topology measured 25.9 GB/s on a 31.5 GB/s 
 Overlap (what the engine does, core/engine.py and core/zero3.py):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
   compute; the last bucket (the first layers' gradients) can only start when backward ends:
-  exposed = max(t_reductions - t_backward, t_last_bucket). The post-step all-gather (stages 1/2), the
-  hybrid cross-island all-reduce and the step's small collectives are waited on at once: fully exposed.
+  exposed = max(t_reductions - t_backward, t_last_bucket). The post-step all-gather (stages 1/2) runs in
+  the background and is waited per module in the next forward (``overlap_param_gather``): exposed =
+  max(t_gathers - t_forward, t_first_bucket). The hybrid cross-island all-reduce and the step's small
+  collectives are waited on at once: fully exposed.
 * stage 3: a unit's gather is prefetched while the previous unit computes (``prefetch_depth`` >= 1), so each
   unit costs max(compute of the previous unit, its own communication); backward shares the link between
   the prefetch gather and the reduce-scatter. Without prefetch every gather is exposed.
@@ -86,7 +88,13 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
     total_comm = sum(sec(c) for c in colls)
     exposed = 0.0
     # small and post-backward collectives: waited on at once
-    exposed += sum(sec(c) for c in colls if c.phase in ("boundary", "step"))
+    exposed += sum(sec(c) for c in colls if c.phase in ("boundary", "step") and c.kind != "param")
+    # stages 1/2: the post-step all-gather runs in the background, issued in forward order and waited per
+    # module in the next forward (engine ``overlap_param_gather``, default True): hidden behind that forward
+    # except the first bucket it needs
+    gathers = [sec(c) for c in colls if c.kind == "param"]
+    if gathers:
+        exposed += max(sum(gathers) - t_fwd, gathers[-1]) if cfg.overlap_param_gather else sum(gathers)
     if layout.stage < 3:
         for m in range(job.accumulation):
             red = [sec(c) for c in colls if c.micro_batch == m and c.kind == "grad"]

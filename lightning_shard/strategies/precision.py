@@ -10,6 +10,7 @@ Module-level class (picklable for the spawn launcher).
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,7 @@ class ShardedPrecision(Precision):
         # fp16 needs loss scaling; Lightning's torch GradScaler decides per rank, ours agrees across ranks.
         self.loss_scaler: Optional[LossScaler] = LossScaler() if self.precision in ("16-mixed", "16-true") else None
         self.engine: Any = None  # set by the strategy once the engine exists
+        self.skipped_steps = 0
 
     # ---------------------------------------------------------------- delegated to Lightning's plugin
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -71,6 +73,18 @@ class ShardedPrecision(Precision):
         found_inf = False
         if self.loss_scaler is not None:
             found_inf = engine.unscale_and_check(optimizer, 1.0 / self.loss_scaler.scale)
+        elif engine.skip_nonfinite is not None:
+            bad = engine.find_nonfinite(optimizer)
+            if bad is not None:
+                if not engine.skip_nonfinite:
+                    raise FloatingPointError(f"non-finite gradient in parameter {bad}; the step was not taken on any "
+                                             "rank. Lower the learning rate, clip gradients, or pass "
+                                             "skip_nonfinite=True to skip such steps with a warning.")
+                warnings.warn(f"non-finite gradient in parameter {bad}: optimizer step skipped on every rank",
+                              stacklevel=2)
+                engine.skip_step(optimizer)
+                self.skipped_steps += 1
+                return closure_result
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping, on true grads
         if found_inf:  # every rank got the same answer from the all-reduced flag
             engine.skip_step(optimizer)

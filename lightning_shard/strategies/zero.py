@@ -23,6 +23,11 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``topology``      preset name (``conf/topology``), capture file, or ``"detect"``: used by ``shard_size="auto"`` and by
                   the placement check at setup (a warning when traffic crosses slow links needlessly).
 ``strict_placement``  make that warning an error.
+``skip_nonfinite``  fp32/bf16: ``None`` (default, no check), ``True`` (a non-fp16 step whose gradients hold
+                  inf/nan is skipped on every rank with a warning naming the parameter), ``False`` (raise with that
+                  name). One small all-reduce per step when set. fp16 always uses agreed loss scaling instead.
+``debug_collectives``  check at every optimizer step that all ranks issued the same collectives (a desync
+                  names the first differing one). Model fingerprints are always compared at setup.
 ``state_dict_type``  ``"sharded"`` (default: each rank writes its shards into a checkpoint directory, committed
                   atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.
 ``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
@@ -61,7 +66,7 @@ log = logging.getLogger(__name__)
 
 BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
          "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
-         "state_dict_type",
+         "state_dict_type", "skip_nonfinite", "debug_collectives",
          "overlap_param_gather", "shard_size",
          "topology", "strict_placement", "accelerator", "parallel_devices",
          "cluster_environment", "checkpoint_io", "precision_plugin")
@@ -82,6 +87,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
                  find_unused_parameters: bool = False, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
+                 skip_nonfinite: Optional[bool] = None, debug_collectives: bool = False,
                  overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
                  topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
@@ -125,6 +131,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type must be one of {STATE_DICT_TYPES}, got {state_dict_type!r}")
         self.state_dict_type = state_dict_type
+        if skip_nonfinite not in (None, True, False):
+            raise ValueError(f"skip_nonfinite must be None (no check), True (skip the step with a warning) or False "
+                             f"(raise), got {skip_nonfinite!r}")
+        self.skip_nonfinite, self.debug_collectives = skip_nonfinite, debug_collectives
         self._reader: Any = None
         self.shard_size, self.topology_spec, self.strict_placement = shard_size, topology, strict_placement
         self._groups = Groups()
@@ -236,7 +246,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                                       find_unused_parameters=self.find_unused_parameters,
                                       units=self._unit_config(), deferred=self._deferred_init(),
                                       group=self._groups.shard, replicate_group=self._groups.replicate,
-                                      optim_chunk_mb=self.optim_chunk_mb,
+                                      optim_chunk_mb=self.optim_chunk_mb, skip_nonfinite=self.skip_nonfinite,
+                                      debug_collectives=self.debug_collectives,
                                       overlap_param_gather=self.overlap_param_gather)
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision

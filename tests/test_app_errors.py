@@ -1,0 +1,69 @@
+"""Bad input to the train command: one message that names the key and the fix, before any rank starts.
+
+``preflight(argv)`` is what ``python -m lightning_shard.train`` runs first (exit status 2 on error); it is
+called here in-process, which composes exactly as the command does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_shard.train import preflight, sweep_combinations
+
+
+@pytest.mark.parametrize("argv,expected", [
+    # unknown group option: the choices are listed, with the close match
+    (["strategy=zero9"], ["strategy=zero9", "did you mean 'zero3'", "zero0, zero1, zero2"]),
+    (["topology=hgx_h100_9"], ["topology=hgx_h100_9", "hgx_h100_8"]),
+    (["recipe=gpt_huge"], ["recipe=gpt_huge", "gpt_tiny", "digits"]),
+    # typo in a knob: the key, the close match, the valid keys
+    (["strategy.bucket_mbb=3"], ["strategy.bucket_mbb", "did you mean 'bucket_mb'", "valid keys of strategy"]),
+    (["trainer.max_step=3"], ["trainer.max_step", "did you mean 'max_steps'"]),
+    (["+recipe.model.n_layr=2"], ["recipe.model.n_layr", "did you mean 'n_layer'"]),
+    # wrong type: the key, the expected type, an example
+    (["strategy.bucket_mb=fast"], ["strategy.bucket_mb", "Float", "strategy.bucket_mb=25.0"]),
+    (["strategy.overlap=maybe"], ["strategy.overlap", "bool", "strategy.overlap=true"]),
+    (["recipe.micro_batch_size=two"], ["recipe.micro_batch_size", "Integer"]),
+    # a value outside the choices of that strategy
+    (["strategy.accumulation=defer_it"], ["strategy.accumulation='defer_it'", "auto, defer, per_micro_batch"]),
+    (["strategy=zero1", "strategy.accumulation=per_micro_batch"], ["Zero1Strategy", "choose one of auto, defer"]),
+    (["strategy=zero3", "strategy.accumulation=defer"], ["keep_unsharded_grads", "keep_params"]),
+    # a recipe path that does not exist
+    (["recipe=hf_causal_lm", "recipe.model.name_or_path=./models/does-not-exist"],
+     ["recipe.model.name_or_path", "no such file or directory", "hub id"]),
+    (["recipe.data._target_=recipes.nope.DataModule"], ["recipe.data._target_", "module 'recipes.nope' not found"]),
+    (["recipe.model._target_=recipes.gpt.GPTModule"], ["recipe.model._target_", "did you mean 'GPTLightningModule'"]),
+    # micro batch larger than the global batch, and not divisible
+    (["recipe.micro_batch_size=64"], ["recipe.micro_batch_size * world_size = 64 * 2 = 128", "Fix:"]),
+    (["recipe.global_batch_size=30", "recipe.micro_batch_size=4"], ["recipe.global_batch_size = 30", "24 or 32"]),
+    # impossible combination: hybrid sharding on a one-island machine
+    (["strategy=zero3_hybrid"], ["strategy.shard_size=auto", "one island", "topology=cpu_2x2"]),
+    (["strategy=zero2", "strategy.shard_size=2"], ["strategy.shard_size=2", "more than one group"]),
+    # accumulation is derived, never typed
+    (["+trainer.accumulate_grad_batches=4"], ["trainer.accumulate_grad_batches"]),
+])
+def test_bad_input_names_the_key_and_the_fix(argv, expected):
+    message = preflight(argv)
+    assert message is not None, argv
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_a_sweep_is_checked_job_by_job_before_any_starts():
+    assert preflight(["-m", "strategy=zero1,zero2", "recipe=gpt_test"]) is None
+    message = preflight(["-m", "strategy=zero2,zero3_hybrid", "recipe=gpt_test"])
+    assert message is not None and "strategy.shard_size=auto" in message
+
+
+def test_sweep_combinations_include_config_sweeper_params():
+    jobs = sweep_combinations(["experiment=strategies_cpu"], multirun=True)
+    assert [j[0] for j in jobs] == [f"strategy={s}" for s in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")]
+    jobs = sweep_combinations(["strategy=zero1,zero2", "recipe=gpt_test,digits"], multirun=True)
+    assert len(jobs) == 4
+
+
+def test_good_input_passes():
+    assert preflight([]) is None
+    assert preflight(["strategy=fsdp_shard", "recipe=digits", "strategy.accumulation=keep_params"]) is None
+    assert preflight(["strategy=zero2_hybrid", "topology=cpu_2x2"]) is None
+    assert preflight(["--cfg", "job"]) is None  # Hydra's own modes are left to Hydra
