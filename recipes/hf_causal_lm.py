@@ -1,0 +1,132 @@
+"""Hugging Face causal-LM fine-tune: full fine-tune or LoRA on a frozen base (``transformers`` optional extra).
+
+``HFCausalLM(name_or_path=...)`` loads a local directory or a hub id with ``AutoModelForCausalLM``;
+``HFCausalLM(config={"model_type": "llama", ...})`` builds a random-init model from a config dict when no
+``name_or_path`` is given (offline; used by the tests). ``lora={"r": 8, "alpha": 16, "targets": "auto"}`` freezes the base and trains
+only the adapters (``recipes/lora.py``); ``lora=None`` trains every parameter.
+
+Data: the standard library's sources (``recipes/corpus.py``), tokenized by the model's tokenizer
+(``HFTextDataModule(tokenizer=<name_or_path>)``) or read as bytes when ``tokenizer`` is None (then the model's
+vocabulary must be >= 256).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
+from recipes.gpt import warmup_cosine
+from recipes.lora import apply_lora
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("the hf_causal_lm recipe needs transformers: pip install 'lightning-shard[hf]'") from err
+    return transformers
+
+
+def build_causal_lm(name_or_path: Optional[str], config: Optional[Mapping[str, Any]], dtype: Optional[str] = None,
+                    trust_remote_code: bool = False) -> torch.nn.Module:
+    if name_or_path is None and config is None:
+        raise ValueError("give recipe.model.name_or_path (local directory or hub id) or recipe.model.config "
+                         "(a dict with model_type, for a random-init model)")
+    tf = _transformers()
+    torch_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if name_or_path is not None:
+        kwargs = {"trust_remote_code": trust_remote_code}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        return tf.AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("recipe.model.config needs model_type (e.g. llama, gpt2)")
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **cfg))
+    return model.to(torch_dtype) if torch_dtype is not None else model
+
+
+class HFCausalLM(pl.LightningModule):
+    def __init__(self, name_or_path: Optional[str] = None, config: Optional[dict] = None,
+                 lora: Optional[dict] = None, lr: float = 2e-5, weight_decay: float = 0.0,
+                 betas: Sequence[float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 10,
+                 min_lr_ratio: float = 0.1, total_steps: Optional[int] = None, dtype: Optional[str] = None,
+                 trust_remote_code: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_causal_lm(name_or_path, config, dtype, trust_remote_code)
+        self.lora_modules: list[str] = []
+        if lora:
+            lora = dict(lora)
+            self.lora_modules = apply_lora(self.model, targets=lora.pop("targets", "auto"), **lora)
+        self.val_loss_mean = MeanMetric()
+        self.tokens_seen = 0
+        self.last_train_loss: Optional[torch.Tensor] = None
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.tokens_seen += batch[0].numel()
+        self.last_train_loss = loss.detach()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.val_loss_mean.update(loss.detach(), weight=batch[1].numel())
+        self.log("val_loss", loss, sync_dist=True, prog_bar=True, batch_size=batch[0].shape[0])
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_ppl", torch.exp(self.val_loss_mean.compute()), sync_dist=True)
+        self.val_loss_mean.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+        total = hp.total_steps or (self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0
+                                   else int(self.trainer.estimated_stepping_batches))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+
+class HFTextDataModule(StdlibTextDataModule):
+    """The stdlib corpus, tokenized with ``tokenizer`` (a local directory or hub id) or as raw bytes (None)."""
+
+    def __init__(self, tokenizer: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tokenizer = tokenizer
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.tokenizer is None:
+            return super().setup(stage)
+        if self.corpus is not None:
+            return
+        tok = _transformers().AutoTokenizer.from_pretrained(self.tokenizer)
+        self.corpus = load_stdlib_corpus(self.max_bytes, self.val_fraction)
+
+        def ids(stream: torch.Tensor) -> torch.Tensor:
+            text = bytes(stream.tolist()).decode("utf-8", errors="ignore")
+            return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+        self.train_set = WindowDataset(ids(self.corpus.train), self.block_size)
+        val = WindowDataset(ids(self.corpus.val), self.block_size)
+        if self.max_val_windows is not None and len(val) > self.max_val_windows:
+            step = len(val) / self.max_val_windows
+            val = torch.utils.data.Subset(val, [int(i * step) for i in range(self.max_val_windows)])
+        self.val_set = val

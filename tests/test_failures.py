@@ -1,0 +1,93 @@
+"""A rank dying or stalling ends the job with a readable error within the collective timeout, and a restart
+from ckpt_path="last" ends where an uninterrupted run ends (issues 4 and 8). Safe loading of checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).with_name("failure_job.py")
+
+
+def run_job(mode: str, out: Path, limit: float = 240) -> tuple[int, str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)
+    t0 = time.monotonic()
+    log = out / f"{mode}.log"
+    with open(log, "w") as f:  # a file, not a pipe: a stalled rank would hold a pipe open after rank 0 exits
+        proc = subprocess.Popen([sys.executable, str(JOB), mode, str(out)], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=limit)  # rank 0 is the launching process: its exit ends the job
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launched rank, if it outlived rank 0
+            except ProcessLookupError:
+                pass
+    return proc.returncode, log.read_text(), time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    code, output, _ = run_job("straight", out)
+    assert code == 0, output[-3000:]
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_killed_rank_ends_the_job_and_last_checkpoint_resumes_exactly(tmp_path, straight):
+    code, output, seconds = run_job("kill", tmp_path)
+    assert code != 0
+    assert any(s in output for s in ("Connection closed", "Connection reset", "connection", "Broken pipe")), \
+        output[-3000:]
+    assert seconds < 200  # ended on its own, long before the test's limit
+    assert (tmp_path / "last.ckpt" / "meta.json").is_file()
+    code, output, _ = run_job("resume", tmp_path)
+    assert code == 0, output[-3000:]
+    resumed = torch.load(tmp_path / "final.pt", weights_only=True)
+    for k in straight:
+        assert torch.equal(resumed[k], straight[k]), k
+
+
+def test_stalled_rank_times_out_with_a_readable_error(tmp_path):
+    code, output, seconds = run_job("sleep", tmp_path)
+    assert code != 0
+    assert "imed out" in output or "timeout" in output.lower(), output[-3000:]
+    assert seconds < 200  # the 300 s stall did not hold the job: the 10 s collective timeout ended it
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo PWNED > /tmp/lightning_shard_pwned",))
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    from lightning_shard.core.checkpoint import CheckpointError, Reader
+    from lightning_shard.strategies import ShardedCheckpointIO
+
+    marker = Path("/tmp/lightning_shard_pwned")
+    marker.unlink(missing_ok=True)
+    evil_file = tmp_path / "evil.ckpt"
+    with open(evil_file, "wb") as f:
+        pickle.dump({"state_dict": _Evil()}, f)
+    with pytest.raises(Exception, match="(?i)weights.only|unpickl|unsupported"):
+        ShardedCheckpointIO().load_checkpoint(evil_file, weights_only=True)
+    # a sharded directory whose rank file carries the payload
+    d = tmp_path / "evil_dir"
+    d.mkdir()
+    torch.save({"x": torch.zeros(1)}, d / "rank00000.pt")
+    with open(d / "rank00000.pt", "wb") as f:
+        pickle.dump({"param/x": _Evil()}, f)
+    (d / "meta.json").write_text('{"format": "lightning_shard.sharded", "version": 1, "complete": true, '
+                                 '"index": {"param/x": [[0, 0, 1]]}, "shapes": {"x": [1]}, "optimizers": []}')
+    with pytest.raises(CheckpointError, match="cannot be read safely"):
+        Reader(d).read("param/x")
+    assert not marker.exists()
