@@ -42,7 +42,11 @@ class Recorder(L.Callback):
             controller.record_events = True
 
 
-def make_strategy(stage: int, accumulation: str, bucket_mb: float, find_unused: bool, **extra: Any):
+def make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: bool, **extra: Any):
+    if stage == "auto":
+        from lightning_shard.strategies import AutoStrategy
+
+        return AutoStrategy(find_unused_parameters=find_unused, **extra)
     if stage < 3:
         return ZeroStrategy(stage=stage, accumulation=accumulation, bucket_mb=bucket_mb,
                             find_unused_parameters=find_unused, **extra)
@@ -92,6 +96,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "per_batch_groups": recorder.per_batch_groups,
         "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
         "axes": trainer.strategy._groups.axes,
+        "chosen": getattr(trainer.strategy, "recommendation", None) and trainer.strategy.recommendation.strategy_name,
         "memory": engine.memory_report(),
         "buckets": [(b.layout.numel, b.layout.padded_numel, b.group_index) for b in engine.buckets],
         "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),

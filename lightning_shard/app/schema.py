@@ -32,6 +32,11 @@ class ZeroStrategyConf:
     shard_size: Any = None  # None | positive int | "auto"
     topology: Optional[str] = None
     strict_placement: bool = False
+    optim_chunk_mb: float = 4.0
+    overlap_param_gather: bool = True
+    state_dict_type: str = "sharded"  # sharded | full
+    skip_nonfinite: Optional[bool] = None
+    debug_collectives: bool = False
 
 
 @dataclass
@@ -51,6 +56,16 @@ class FSDPShardStrategyConf(Zero3StrategyConf):
     _target_: str = "lightning_shard.strategies.FSDPShardStrategy"
     wrap_classes: Any = "auto"  # "auto" | list of class names
     min_params: Optional[int] = None
+
+
+@dataclass
+class AutoStrategyConf(FSDPShardStrategyConf):
+    """strategy=auto: the planner picks the strategy, policy and layout at setup."""
+
+    _target_: str = "lightning_shard.strategies.AutoStrategy"
+    topology: Optional[str] = "detect"
+    global_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
 
 
 @dataclass
@@ -128,7 +143,7 @@ class TrainerConf:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "schema/strategy": {"zero": ZeroStrategyConf, "zero3": Zero3StrategyConf, "fsdp_shard": FSDPShardStrategyConf,
-                        "ddp": DDPStrategyConf},
+                        "auto": AutoStrategyConf, "ddp": DDPStrategyConf},
     "schema/topology": {"preset": TopologyConf},
     "schema/recipe": {"recipe": RecipeConf},
     "schema/trainer": {"trainer": TrainerConf},

@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .auto import AutoStrategy
 from .checkpointing import ShardedCheckpointIO
 from .precision import ShardedPrecision
 from .zero import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
@@ -19,10 +20,12 @@ REGISTERED = {
     "zero3_hybrid": (Zero3Strategy, "ZeRO-3 inside islands, replicated across", {"shard_size": "auto", "topology": "detect"}),
     "fsdp_shard_hybrid": (FSDPShardStrategy, "FSDP-style units inside islands, replicated across",
                           {"wrap_classes": "auto", "shard_size": "auto", "topology": "detect"}),
+    # Lightning reserves "auto" for its own default strategy: the Hydra option strategy=auto maps here
+    "zero_auto": (AutoStrategy, "the planner's recommendation for this model and machine", {}),
 }
 for _name, (_cls, _what, _params) in REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=f"lightning_shard {_what}", **_params)
 
-__all__ = ["FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
+__all__ = ["AutoStrategy", "FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
            "Zero3Strategy", "ZeroStrategy"]

@@ -212,7 +212,7 @@ class CheckpointMixin:
         module = self.lightning_module
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         if self._reader is not None:
-            if self.engine is None:  # before setup (stages 0-2): the module takes full weights
+            if self.engine is None or self.engine.controller is None:  # stages 0-2: the module takes full weights
                 state = full_model_state(self._reader)
             else:  # after setup (stage 3): each rank reads the ranges of its own shards
                 from ..core.engine_ckpt import load_pieces
