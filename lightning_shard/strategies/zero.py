@@ -269,22 +269,20 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return None  # stage 3 strategies return a DeferredInit for models built on the meta device
 
     def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
-        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        """``accumulation="auto"``: the planner's rule (memory budget first, then link speed)."""
         if self.accumulation != "auto":
             return self.accumulation, "set explicitly"
-        if self.stage != 2:
-            return "defer", f"zero{self.stage} keeps full gradients, so deferring costs no memory"
-        if acc == 1:
-            return "defer", "accumulate_grad_batches=1: every micro-batch is a boundary"
+        from ..planner import auto_policy
+
+        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        if self.root_device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.root_device)
-            if grad_bytes > 0.25 * free:
-                return "per_micro_batch", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) exceed 25% of free device "
-                                           f"memory ({free / 2**20:.0f} MiB): trade {acc - 1} extra reduce-scatters "
-                                           "per step for holding only the gradient shard")
-        return "defer", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) fit comfortably: defer saves {acc - 1} of "
-                         f"{acc} reduce-scatters per optimizer step")
+        free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else None
+        ring = None
+        if self.topology_spec is not None:
+            topology = resolve_topology(self.topology_spec, self.num_processes)
+            if topology.devices_per_node >= self.num_processes > 1:  # the ring this job's ranks form
+                ring = topology.ring(list(range(self.num_processes)))[0]
+        return auto_policy(self.stage, acc, grad_bytes, free, ring)
 
     def model_to_device(self) -> None:
         assert self.model is not None

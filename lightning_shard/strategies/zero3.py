@@ -113,23 +113,6 @@ class Zero3Strategy(ZeroStrategy):
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _GatheringLauncher(self, start_method=self._start_method)
 
-    def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
-        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        if self.accumulation != "auto":
-            return self.accumulation, "set explicitly"
-        if acc == 1:
-            return "per_micro_batch", "accumulate_grad_batches=1: every micro-batch is a boundary"
-        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        if self.root_device.type == "cuda":
-            import torch
-
-            free, _ = torch.cuda.mem_get_info(self.root_device)
-            if grad_bytes > 0.25 * free:
-                return "per_micro_batch", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) exceed 25% of free device "
-                                           f"memory: keep only gradient shards, {acc} reduce-scatters per step")
-        return "keep_unsharded_grads", (f"full gradients ({grad_bytes / 2**20:.1f} MiB) fit: one reduce-scatter "
-                                        f"per step instead of {acc}")
-
     # ------------------------------------------------------------------ the root unit around each step
     def _around_step(self, step: Callable, *args: Any, **kwargs: Any) -> Any:
         controller = self.engine.controller if self.engine is not None else None
