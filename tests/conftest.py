@@ -13,3 +13,23 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """``worlds(n)``: a persistent World of n gloo ranks, started once per test module on first use."""
+    from tests.harness import World
+
+    made: dict = {}
+
+    def get(n: int) -> World:
+        if n not in made:
+            made[n] = World(n)
+        return made[n]
+
+    yield get
+    for w in made.values():
+        w.close()

@@ -18,18 +18,6 @@ from tests.harness import World
 from tests.zoo import ZooNet, max_diff, params_of
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        if n not in made:
-            made[n] = World(n)
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 @pytest.mark.parametrize("kind", ["zero0", "zero1", "zero2", "zero3", "fsdp"])

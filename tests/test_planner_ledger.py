@@ -24,18 +24,6 @@ STEPS = 2
 WRAP = ["Block"]
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        if n not in made:
-            made[n] = World(n)
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 def _cfg(stage: int, policy: str, **kw) -> StrategyConfig:

@@ -8,7 +8,6 @@ from typing import Optional
 
 import pytest
 
-from tests.harness import World
 from tests.scenarios import fit_zero
 from tests.zoo import max_diff, params_of, reference_fit
 
@@ -27,18 +26,6 @@ def flavour(name: str, model: str = "zoo", **extra) -> dict:
     return dict(kw, **extra)
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        if n not in made:
-            made[n] = World(n)
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 @functools.lru_cache(maxsize=None)

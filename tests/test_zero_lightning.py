@@ -13,7 +13,6 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.harness import World
 from tests.scenarios import SMALL_BUCKETS, STEPS, fit_zero
 from tests.zoo import ZooModule, max_diff, params_of, reference_fit
 
@@ -21,18 +20,6 @@ TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------ test side
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        if n not in made:
-            made[n] = World(n)
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 @functools.lru_cache(maxsize=None)
