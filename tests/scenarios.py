@@ -60,8 +60,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
              save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
              strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
-             delay_gather_s: float = 0.0, num_nodes: int = 1, activation_checkpointing: bool = False
-             ) -> dict[str, Any]:
+             delay_gather_s: float = 0.0, num_nodes: int = 1, activation_checkpointing: bool = False,
+             clip_algorithm: str = "norm") -> dict[str, Any]:
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
     module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused,
@@ -77,7 +77,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
                         max_steps=steps,
                         accumulate_grad_batches=1 if manual else acc, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=clip, precision=precision, callbacks=callbacks)
+                        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, precision=precision,
+                        callbacks=callbacks)
     data = dataset(data_steps or steps, acc, world, model)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
     try:

@@ -95,6 +95,13 @@ def test_consolidated_weights_load_into_bare_module(worlds, tmp_path):
     bare.load_state_dict(weights, strict=True)
     for k, v in bare.state_dict().items():
         assert torch.equal(v, live[f"net.{k}"]), k
+    st = tmp_path / "bare.safetensors"
+    assert cli(["consolidate", str(ckpt), str(st), "--strip-prefix", "net.", "--safetensors"]) == 0
+    from safetensors.torch import load_file
+
+    bare2 = ZooNet()
+    bare2.load_state_dict(load_file(st), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(bare.state_dict().values(), bare2.state_dict().values()))
     full = tmp_path / "full.ckpt"
     assert cli(["consolidate", str(ckpt), str(full), "--lightning"]) == 0
     assert torch.load(full, weights_only=True)["global_step"] == 3

@@ -238,3 +238,104 @@ def test_validation_metrics_predict_and_eval_after_fit():
     for rank, r in enumerate(res):
         assert torch.allclose(r["pred"], r["direct"][expected[rank]])
     assert torch.equal(res[0]["direct"], res[1]["direct"])  # identical weights on both ranks
+
+
+class _Twice(L.LightningModule):
+    """A module called twice in one forward (weight sharing across depth), and gathered_params() for export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.inp = nn.Linear(5, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h))  # same unit, second call
+        return self.out(h)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _twice_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(6)
+    return TensorDataset(torch.randn(32, 5, generator=g), torch.randn(32, 2, generator=g))
+
+
+def twice_fit(kind: str) -> dict[str, Any]:
+    from tests.zoo import RankMicroBatches
+
+    L.seed_everything(0, verbose=False)
+    module = _Twice()
+    strategy = Zero3Strategy() if kind == "zero3" else FSDPShardStrategy(min_params=40)  # fsdp: Linears >= 40
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    data = _twice_data()
+    rank = torch.distributed.get_rank()
+    trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), 1, 2, rank)))
+    # gathered_params(): full weights inside the block on every rank, then sharded again
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        module.eval()
+        out = module(x)
+    return {"state": {k: v.clone() for k, v in module.state_dict().items()}, "out": out}
+
+
+@pytest.mark.parametrize("kind", ["zero3", "fsdp"])
+def test_module_called_twice_matches_reference(kind):
+    from tests.zoo import MICRO
+
+    w = World(2)
+    try:
+        res = w.run(twice_fit, kind)
+    finally:
+        w.close()
+    L.seed_everything(0, verbose=False)
+    ref = _Twice()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(
+        ref, DataLoader(_twice_data(), batch_size=MICRO))
+    for r in res:
+        for k, v in ref.state_dict().items():
+            assert torch.allclose(r["state"][k], v, atol=1e-5), k
+
+
+def gathered_inside() -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    module = _Twice()
+    strategy = Zero3Strategy()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    class Probe(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.before = tuple(pl_module.shared.weight.shape)
+            with trainer.strategy.gathered_params():
+                self.inside = tuple(pl_module.shared.weight.shape)
+                self.norm = float(pl_module.shared.weight.norm())
+            self.after = tuple(pl_module.shared.weight.shape)
+
+    probe = Probe()
+    trainer.callbacks.append(probe)
+    trainer.fit(module, DataLoader(_twice_data(), batch_size=4))
+    return {"before": probe.before, "inside": probe.inside, "after": probe.after, "norm": probe.norm}
+
+
+def test_gathered_params_context_gives_full_weights():
+    w = World(2)
+    try:
+        res = w.run(gathered_inside)
+    finally:
+        w.close()
+    for r in res:
+        assert r["before"] == (0,) and r["after"] == (0,)  # sharded placeholders outside the block
+        assert r["inside"] == (8, 8) and r["norm"] > 0
+    assert res[0]["norm"] == res[1]["norm"]

@@ -24,8 +24,9 @@ TOL = 1e-5
 
 @functools.lru_cache(maxsize=None)
 def reference(acc: int, world: int, optimizer: str = "sgd", clip: Optional[float] = None,
-              precision: str = "32-true", steps: int = STEPS, unused: bool = True):
-    return reference_fit(steps, acc, world, optimizer=optimizer, clip=clip, precision=precision, unused=unused)
+              precision: str = "32-true", steps: int = STEPS, unused: bool = True, clip_algorithm: str = "norm"):
+    return reference_fit(steps, acc, world, optimizer=optimizer, clip=clip, precision=precision, unused=unused,
+                         clip_algorithm=clip_algorithm)
 
 
 CASES = [(0, "defer"), (1, "defer"), (2, "defer"), (2, "per_micro_batch")]
@@ -138,6 +139,15 @@ def test_clipping_norm_is_global(worlds, stage):
     assert len(ref_norms) == STEPS and max(ref_norms) > clip, "clipping must really act in this test"
     for r in results:
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5, abs=1e-6)
+        assert max_diff(params_of(r["state"]), params_of(ref_state)) <= TOL
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_by_value_matches(worlds, stage):
+    """Clipping by value is element-wise: on shards it equals clipping the full gradients."""
+    results = worlds(2).run(fit_zero, stage, "defer", 3, clip=0.01, strategy_kwargs=None, clip_algorithm="value")
+    ref_state, _ = reference(3, 2, clip=0.01, clip_algorithm="value")
+    for r in results:
         assert max_diff(params_of(r["state"]), params_of(ref_state)) <= TOL
 
 

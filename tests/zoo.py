@@ -89,7 +89,7 @@ class ZooModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:
         engine = getattr(self.trainer.strategy, "engine", None)
-        if engine is None and gradient_clip_val:  # reference: the plain global norm before clipping
+        if engine is None and gradient_clip_val and gradient_clip_algorithm != "value":  # reference: global norm
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -165,13 +165,14 @@ class RankMicroBatches(Sampler):
 
 
 def reference_fit(steps: int, acc: int, world: int, optimizer: str = "sgd", clip: Optional[float] = None,
-                  precision: str = "32-true", bn: bool = True, unused: bool = True, model: str = "zoo"
-                  ) -> tuple[dict[str, torch.Tensor], list[float]]:
+                  precision: str = "32-true", bn: bool = True, unused: bool = True, model: str = "zoo",
+                  clip_algorithm: str = "norm") -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single process, same global batch per optimizer step."""
     module = make_module(model, optimizer=optimizer, bn=bn, unused=unused)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=acc * world,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, gradient_clip_val=clip, precision=precision)
+                        enable_model_summary=False, gradient_clip_val=clip, precision=precision,
+                        gradient_clip_algorithm=clip_algorithm)
     trainer.fit(module, DataLoader(dataset(steps, acc, world, model), batch_size=MICRO, shuffle=False))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, module.grad_norms
 
