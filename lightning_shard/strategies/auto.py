@@ -29,10 +29,10 @@ class AutoStrategy(Zero3Strategy):
     STAGES = (0, 1, 2, 3)
 
     def __init__(self, global_batch_size: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 wrap_classes: Any = "auto", min_params: Optional[int] = None, **kwargs: Any) -> None:
         kwargs.setdefault("topology", "detect")
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.wrap_classes, self.min_params = "auto", None
+        self.wrap_classes, self.min_params = wrap_classes, min_params  # used if the planner picks fsdp_shard
         self.recommendation: Any = None
         super().__init__(**kwargs)
 
