@@ -20,14 +20,13 @@ on (a ring runs at its slowest hop), classified as intra-island, inter-island or
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ..core.collectives import ring_wire_bytes
+from ..core.collectives import Ledger, ring_wire_bytes
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 
@@ -119,14 +118,8 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
 
 
 def summarize(colls: list[Collective]) -> dict[tuple[str, str], dict[str, float]]:
-    """``{(op, group): {"count", "bytes", "wire_bytes"}}``, the shape of ``Ledger.summarize``."""
-    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
-    for c in colls:
-        row = out[(c.op, c.group)]
-        row["count"] += 1
-        row["bytes"] += c.bytes
-        row["wire_bytes"] += c.wire_bytes
-    return dict(out)
+    """``{(op, group): {"count", "bytes", "wire_bytes"}}``: the ledger's own summary, applied to predictions."""
+    return Ledger.summarize(colls)  # Collective has the fields it reads (op, group, bytes, wire_bytes)
 
 
 def by_link_class(colls: list[Collective], group_class: dict[str, str]) -> dict[str, float]:
