@@ -46,6 +46,9 @@ class DeferredInit:
                 m._parameters[name] = new  # the same placeholder everywhere: ties survive
                 self.referrers.setdefault(id(new), []).append(m)
         self.pending = {id(p) for p in replaced.values()}
+        # accounting: bytes of full (unsharded) parameter storage alive at once during materialization
+        self.live: dict[int, int] = {}
+        self.peak_live_bytes = 0
 
     def is_deferred(self, p: nn.Parameter) -> bool:
         return id(p) in self.shapes
@@ -64,12 +67,19 @@ class DeferredInit:
                 out.append(m)
         return out
 
+    def sharded(self, params: list[nn.Parameter]) -> None:
+        """These parameters now live only as shards: their full storage is gone."""
+        for p in params:
+            self.live.pop(id(p), None)
+
     def materialize(self, m: nn.Module) -> None:
         """Give ``m``'s parameters and buffers full storage and initialize them."""
         for p in m._parameters.values():
             if p is not None and id(p) in self.pending:
                 p.data = torch.empty(self.shapes[id(p)], dtype=p.dtype, device=self.device)
                 self.pending.discard(id(p))
+                self.live[id(p)] = p.numel() * p.element_size()
+        self.peak_live_bytes = max(self.peak_live_bytes, sum(self.live.values()))
         meta_buffers = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
         for n in meta_buffers:
             m._buffers[n] = torch.empty_like(m._buffers[n], device=self.device)

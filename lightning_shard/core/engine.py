@@ -224,6 +224,8 @@ class ShardEngine:
                                    stage=3, rank=self.rank, world=self.world, group=self.group,
                                    replicate_group=self.replicate_group, chunk_numel=self.chunk_numel)
                             for key, ps, ns in keyed[ui]]
+            if self.deferred is not None:
+                self.deferred.sharded(specs[ui].params)
 
         d = self.deferred
         if d is None:
