@@ -38,9 +38,19 @@ class Bucket:
         self.shard_start, self.shard_end = self.layout.shard_range(shard)
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
 
-        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            flatten_into(self.layout, [p.detach() for p in params], self.flat_param)
+        self.flat_param: Optional[torch.Tensor] = None
+        if stage == 3:  # copy only this rank's range: no full flat buffer at setup (deferred init peak)
+            shard_buf = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+            by_name = dict(zip(names, params))
+            with torch.no_grad():
+                for slot, lo, hi in self.layout.slot_intersections(self.shard_start, self.shard_end):
+                    p = by_name[slot.name]
+                    shard_buf[lo - self.shard_start:hi - self.shard_start].copy_(
+                        p.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+        else:
+            self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                flatten_into(self.layout, [p.detach() for p in params], self.flat_param)
         self.trainable = opt_index is not None  # stage 3 also shards frozen parameters, with no optimizer
         # stage 3: only the padded shard persists; the full buffer exists while the unit is unsharded
         self.shard: Optional[torch.Tensor] = None
@@ -48,7 +58,7 @@ class Bucket:
         self._gather_work: Any = None
         self._param_work: Any = None  # stages 1/2: the post-step all-gather, waited on by a forward pre-hook
         if stage == 3:
-            self.shard = self.flat_param[self.shard_start:self.shard_end].clone()
+            self.shard = shard_buf
             own = self.shard[: self.owned_numel]
             self.reshard()
         else:
