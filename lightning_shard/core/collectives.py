@@ -90,6 +90,11 @@ class Ledger:
         self.totals: dict[tuple[str, str], dict[str, float]] = {}
         self._lock = threading.Lock()
 
+    def set_max_entries(self, n: int) -> None:
+        """Keep at most ``n`` recent entries (running totals are unaffected)."""
+        with self._lock:
+            self._entries = deque(self._entries, maxlen=n)
+
     def record(self, op: str, group: Any, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
         world = get_world_size(group)
         numel = tensor.numel() if full_numel is None else full_numel
