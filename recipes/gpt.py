@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from recipes.lm_steps import CausalLMSteps
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
@@ -124,7 +126,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class GPTLightningModule(pl.LightningModule):
+class GPTLightningModule(CausalLMSteps, pl.LightningModule):
     def __init__(self, vocab_size: int = 256, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, tie_weights: bool = True, lr: float = 1e-3,
                  weight_decay: float = 0.1, betas: Sequence[float] = (0.9, 0.95), eps: float = 1e-8,
@@ -148,26 +150,6 @@ class GPTLightningModule(pl.LightningModule):
         x, y = batch
         logits = self.model(x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.tokens_seen += batch[0].numel()
-        self.last_train_loss = loss.detach()
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        n = batch[1].numel()
-        self.val_loss_mean.update(loss.detach(), weight=n)
-        self.log("val_loss", loss, sync_dist=True, prog_bar=True, batch_size=batch[0].shape[0])
-        return loss
-
-    def on_validation_epoch_end(self) -> None:
-        # MeanMetric.compute() already synchronizes across ranks, so every rank holds the same value;
-        # sync_dist=True only tells Lightning so (its mean of equal values is that value).
-        self.log("val_ppl", torch.exp(self.val_loss_mean.compute()), sync_dist=True)
-        self.val_loss_mean.reset()
 
     def _total_steps(self) -> int:
         if self.hparams.total_steps is not None:

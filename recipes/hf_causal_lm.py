@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from recipes.lm_steps import CausalLMSteps
+
 from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
 from recipes.gpt import warmup_cosine
 from recipes.lora import apply_lora
@@ -52,7 +54,7 @@ def build_causal_lm(name_or_path: Optional[str], config: Optional[Mapping[str, A
     return model.to(torch_dtype) if torch_dtype is not None else model
 
 
-class HFCausalLM(pl.LightningModule):
+class HFCausalLM(CausalLMSteps, pl.LightningModule):
     def __init__(self, name_or_path: Optional[str] = None, config: Optional[dict] = None,
                  lora: Optional[dict] = None, lr: float = 2e-5, weight_decay: float = 0.0,
                  betas: Sequence[float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 10,
@@ -76,23 +78,6 @@ class HFCausalLM(pl.LightningModule):
         x, y = batch
         logits = self.model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.tokens_seen += batch[0].numel()
-        self.last_train_loss = loss.detach()
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.val_loss_mean.update(loss.detach(), weight=batch[1].numel())
-        self.log("val_loss", loss, sync_dist=True, prog_bar=True, batch_size=batch[0].shape[0])
-        return loss
-
-    def on_validation_epoch_end(self) -> None:
-        self.log("val_ppl", torch.exp(self.val_loss_mean.compute()), sync_dist=True)
-        self.val_loss_mean.reset()
 
     def configure_optimizers(self):
         hp = self.hparams
