@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shard.core import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, ShardedCheckpointIO, Zero3Strategy, ZeroStrategy
+from tests.scenarios import ResumePoint
 from tests.zoo import MICRO, RankMicroBatches, ZooModule, dataset
 
 GLOBAL_MICRO = 4  # micro-batches per optimizer step, over all ranks
@@ -40,7 +41,8 @@ def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from:
     acc = GLOBAL_MICRO // world
     L.seed_everything(0, verbose=False)
     module = ZooModule(optimizer, unused=False)
-    callbacks: list[L.Callback] = []
+    point = ResumePoint()
+    callbacks: list[L.Callback] = [point]
     if ckpt_dir:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1,
                                                              save_last=True))
@@ -51,7 +53,7 @@ def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from:
     data = dataset(3, acc, world)  # one epoch = 3 optimizer steps; same samples for every world size
     trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
                 ckpt_path=resume_from)
-    return {"state": _full_state(trainer, module)}
+    return {"state": _full_state(trainer, module), "first": point.first, "steps_taken": point.steps_taken}
 
 
 def plain_fit(steps: int, resume_from: Optional[str] = None) -> dict[str, torch.Tensor]:

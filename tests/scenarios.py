@@ -42,6 +42,22 @@ class Recorder(L.Callback):
             controller.record_events = True
 
 
+class ResumePoint(L.Callback):
+    """Where training (re)started: (global step, epoch, batch index) at the first batch this fit runs, and the
+    number of optimizer steps it took. A run started again from scratch reports (0, 0, 0)."""
+
+    def __init__(self) -> None:
+        self.first: Optional[tuple[int, int, int]] = None
+        self.steps_taken = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        if self.first is None:
+            self.first = (trainer.global_step, trainer.current_epoch, batch_idx)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.steps_taken += 1
+
+
 def make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: bool, **extra: Any):
     if stage == "auto":
         from lightning_shard.strategies import AutoStrategy
@@ -68,8 +84,9 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
                          activation_checkpointing=activation_checkpointing)
     recorder = Recorder()
     recorder.record_events = record_events
+    point = ResumePoint()
     C.set_artificial_delay("all_gather", delay_gather_s)
-    callbacks: list[L.Callback] = [recorder]
+    callbacks: list[L.Callback] = [recorder, point]
     if ckpt_dir:  # Lightning's default full checkpoint, every 3 optimizer steps
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     strategy = make_strategy(stage, accumulation, bucket_mb, find_unused, **(strategy_kwargs or {}))
@@ -114,6 +131,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "step_memory": recorder.step_memory,
         "bucket_trainable": [b.trainable for b in engine.buckets],
         "numel_trainable": sum(b.layout.numel for b in engine.buckets if b.trainable),
+        "first": point.first,
+        "steps_taken": point.steps_taken,
     }
 
 

@@ -24,9 +24,12 @@ from tests.zoo import ZooNet, max_diff, params_of
 def test_exact_resume_sharded(worlds, tmp_path, kind):
     straight = worlds(2).run(fit_ckpt, kind, 6, ckpt_dir=str(tmp_path), optimizer="adam")
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
-    assert (ckpt / "meta.json").is_file() and (ckpt / "rank00000.pt").is_file()
+    assert (ckpt / "meta.json").is_file() and (Reader(ckpt).data / "rank00000.pt").is_file()
     resumed = worlds(2).run(fit_ckpt, kind, 6, resume_from=str(ckpt), optimizer="adam")
     for a, b in zip(straight, resumed):
+        assert a["first"] == (0, 0, 0) and a["steps_taken"] == 6
+        # resumed, not started again: at step 3, the first batch of epoch 1, and only the 3 remaining steps run
+        assert b["first"] == (3, 1, 0) and b["steps_taken"] == 3, (b["first"], b["steps_taken"])
         assert max_diff(a["state"], b["state"]) == 0.0  # bitwise, buffers included
 
 
@@ -50,7 +53,9 @@ def test_reshard_matrix(worlds, tmp_path, src, dst):
     if dst[0] == "plain":
         resumed = [plain_fit(6, resume_from=ckpt)]
     else:
-        resumed = [r["state"] for r in worlds(dst[1]).run(fit_ckpt, dst[0], 6, resume_from=ckpt)]
+        runs = worlds(dst[1]).run(fit_ckpt, dst[0], 6, resume_from=ckpt)
+        assert all(r["first"] == (3, 1, 0) and r["steps_taken"] == 3 for r in runs), [r["first"] for r in runs]
+        resumed = [r["state"] for r in runs]
     for state in resumed:
         assert max_diff(params_of(state), params_of(straight)) <= 1e-5
 
@@ -110,7 +115,7 @@ def test_consolidated_weights_load_into_bare_module(worlds, tmp_path):
 def test_checkpoint_size_has_no_duplication(worlds, tmp_path):
     worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "s"), optimizer="adam")
     worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "f"), optimizer="adam", state_dict_type="full")
-    sharded = sum(p.stat().st_size for p in (tmp_path / "s" / "epoch=0-step=3.ckpt").glob("rank*.pt"))
+    sharded = sum(p.stat().st_size for p in Reader(tmp_path / "s" / "epoch=0-step=3.ckpt").data.glob("rank*.pt"))
     tensors = Reader(tmp_path / "s" / "epoch=0-step=3.ckpt")
     payload = sum(tensors.read(k).numel() * tensors.read(k).element_size() for k in tensors.index)
     full_ckpt = torch.load(tmp_path / "f" / "epoch=0-step=3.ckpt", weights_only=False)
@@ -155,8 +160,9 @@ def test_bad_checkpoints_are_named(worlds, tmp_path):
         Reader(bad)
     trunc = tmp_path / "truncated"
     shutil.copytree(src, trunc)
-    data = (trunc / "rank00001.pt").read_bytes()
-    (trunc / "rank00001.pt").write_bytes(data[: len(data) // 2])
+    rank1 = Reader(trunc).data / "rank00001.pt"
+    data = rank1.read_bytes()
+    rank1.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"rank00001.pt cannot be read safely"):
         lightning_checkpoint(Reader(trunc))
     with pytest.raises(RuntimeError, match="does not match this model: missing"):

@@ -146,7 +146,7 @@ def test_zero3_bad_knobs(kwargs, exc, match):
 
 def test_fsdp_needs_a_policy():
     with pytest.raises(ValueError, match="needs a wrap policy"):
-        FSDPShardStrategy()
+        FSDPShardStrategy(wrap_classes=None)
 
 
 def _units(model: nn.Module, **kw):

@@ -127,6 +127,7 @@ def test_optimizer_chunks_change_nothing(worlds, tmp_path, stage):
     resumed = worlds(2).run(fit_zero, stage, "defer" if stage < 3 else "keep_unsharded_grads", 3, steps=6,
                             resume_from=str(tmp_path / "epoch=0-step=3.ckpt"), **kw)
     for a, b, c in zip(straight, plain, resumed):
+        assert c["first"] == (3, 1, 0) and c["steps_taken"] == 3, (c["first"], c["steps_taken"])  # really resumed
         assert max_diff(params_of(a["state"]), params_of(b["state"])) <= 1e-6
         assert max_diff(params_of(a["state"]), params_of(c["state"])) == 0.0
 

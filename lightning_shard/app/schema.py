@@ -28,7 +28,7 @@ class ZeroStrategyConf:
     process_group_backend: Optional[str] = None
     timeout_s: float = 1800.0
     allow_custom_optimizer: bool = False
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = True
     shard_size: Any = None  # None | positive int | "auto"
     topology: Optional[str] = None
     strict_placement: bool = False
@@ -47,6 +47,7 @@ class Zero3StrategyConf(ZeroStrategyConf):
     reshard_after_forward: bool = True
     prefetch_depth: int = 1
     param_init_fn: Any = None
+    leaf_modules: Any = None  # None | list of class names or module FQNs
 
 
 @dataclass

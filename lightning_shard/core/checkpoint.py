@@ -3,9 +3,10 @@
 Layout of a checkpoint directory::
 
     meta.json            format, version, world size, strategy, names/shapes/dtypes, the piece index,
-                         optimizer param groups; written last: its presence means "complete"
-    rank00000.pt ...     torch.save({key: 1-D tensor}) of the pieces this rank owns
-    trainer_state.pt     everything else of the Lightning checkpoint (loops, callbacks, schedulers, hparams)
+                         optimizer param groups, and ``data``: the folder below that holds this version;
+                         written last: its presence means "complete"
+    data-<id>/rank00000.pt ...  torch.save({key: 1-D tensor}) of the pieces this rank owns
+    data-<id>/trainer_state.pt  everything else of the Lightning checkpoint (loops, callbacks, schedulers, hparams)
 
 A piece is a contiguous range ``[lo, hi)`` of one flattened tensor, keyed ``param/<name>``,
 ``master/<name>`` (fp32 masters), ``optim/<opt>/<name>/<state key>`` or ``buffer/<name>``. Pieces are
@@ -17,13 +18,17 @@ regular placements; our shards are flat slices across several parameters with st
 which DCP could only express through the deprecated ShardedTensor API. Plain per-rank files with an index
 load with ``torch.load(weights_only=True)`` and reshard by range intersection.
 
-Atomicity: everything is written into ``<path>.tmp-<id>``; after every rank's file is fsync'd (barrier),
+Atomicity: a new checkpoint is written into ``<path>.tmp-<id>``; after every rank's file is fsync'd (barrier),
 rank 0 writes ``meta.json`` and renames the directory to ``<path>``. A crash leaves only a ``.tmp-`` folder,
-which is never read; a directory without ``meta.json`` is refused with a clear error.
+which is never read; a directory without ``meta.json`` is refused with a clear error. Overwriting a checkpoint
+(``last.ckpt`` at every save) never takes ``<path>`` away: the new version is written into ``<path>/data-<id>``
+and ``meta.json`` is replaced atomically (``os.replace``) to point at it, so at every instant ``<path>`` is one
+complete version, the old or the new; the old folder is deleted afterwards (or by the next save, after a crash).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -34,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 FORMAT = "lightning_shard.sharded"
-VERSION = 1
+VERSION = 2  # 2: the pieces live in the folder meta["data"] names (1: next to meta.json; still read)
 META = "meta.json"
 TRAINER_STATE = "trainer_state.pt"
 
@@ -56,33 +61,72 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_rank_file(tmp_dir: Path, rank: int, pieces: dict[str, torch.Tensor]) -> None:
-    path = tmp_dir / rank_file(rank)
+def write_rank_file(data_dir: Path, rank: int, pieces: dict[str, torch.Tensor]) -> None:
+    path = data_dir / rank_file(rank)
     torch.save({k: v.detach().contiguous().cpu().clone() for k, v in pieces.items()}, path)
     _fsync_file(path)
 
 
-def write_trainer_state(tmp_dir: Path, state: dict[str, Any]) -> None:
-    path = tmp_dir / TRAINER_STATE
+def write_trainer_state(data_dir: Path, state: dict[str, Any]) -> None:
+    path = data_dir / TRAINER_STATE
     torch.save(state, path)
     _fsync_file(path)
 
 
-def commit(tmp_dir: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its file: write the index, then move the folder into place."""
-    meta = dict(meta, format=FORMAT, version=VERSION, complete=True)
-    with open(tmp_dir / META, "w") as f:
+def data_dir_for(final: Path, tag: str) -> tuple[Path, Path]:
+    """(folder the ranks write into, folder that becomes ``final``) for a save with id ``tag``.
+
+    Overwriting a complete checkpoint writes a new version inside it; otherwise a ``.tmp-`` folder is renamed
+    into place at the commit. Every rank computes the same answer (rank 0 creates the folder before the others
+    look, behind a barrier)."""
+    if is_sharded_checkpoint(final):
+        return final / f"data-{tag}", final
+    tmp = final.with_name(f"{final.name}.tmp-{tag}")
+    return tmp / f"data-{tag}", tmp
+
+
+def commit(root: Path, final: Path, meta: dict[str, Any], data: str) -> None:
+    """Rank 0, after every rank wrote its file into ``root / data``: point ``meta.json`` at it atomically.
+
+    ``root`` is ``final`` itself (overwrite: ``meta.json`` is swapped with ``os.replace``, then the previous
+    version's folder goes) or a ``.tmp-`` folder renamed to ``final`` (a new checkpoint)."""
+    meta = dict(meta, format=FORMAT, version=VERSION, complete=True, data=data)
+    staged = root / f"{META}.tmp-{data}"
+    with open(staged, "w") as f:
         json.dump(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    old = None
-    if final.exists():  # overwrite: move the previous one aside first, delete it after the swap
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp_dir, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    os.replace(staged, root / META)  # atomic: readers see the old index or the new one, never neither
+    if root != final:
+        if final.exists():  # a file (full format) or an incomplete folder with the same name: move it aside
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+            os.replace(final, old)
+            os.replace(root, final)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        else:
+            os.replace(root, final)
+    remove_stale_versions(final)
+    for sibling in final.parent.glob(f"{glob.escape(final.name)}.tmp-*"):  # fresh saves that crashed earlier
+        shutil.rmtree(sibling, ignore_errors=True)
+
+
+def remove_stale_versions(path: Path) -> None:
+    """Delete what a committed checkpoint folder holds besides its current version (earlier versions, the
+    leftovers of a save that crashed, version-1 files next to meta.json)."""
+    try:
+        current = json.loads((path / META).read_text()).get("data")
+    except (OSError, json.JSONDecodeError):
+        return
+    if not current:
+        return
+    for child in path.iterdir():
+        if child.name in (META, current):
+            continue
+        if child.is_dir() and child.name.startswith("data-"):
+            shutil.rmtree(child, ignore_errors=True)
+        elif child.is_file() and (child.name.startswith(("rank", f"{META}.tmp-")) or child.name == TRAINER_STATE):
+            child.unlink(missing_ok=True)
 
 
 @dataclass
@@ -112,9 +156,10 @@ class Reader:
             raise CheckpointError(f"{meta_path} is corrupted ({err})") from err
         if self.meta.get("format") != FORMAT or not self.meta.get("complete"):
             raise CheckpointError(f"{meta_path} is not a complete {FORMAT} index")
-        if self.meta.get("version") != VERSION:
+        if self.meta.get("version") not in (1, VERSION):
             raise CheckpointError(f"{self.path} has format version {self.meta.get('version')}; this lightning_shard "
-                                  f"reads version {VERSION}. Consolidate it with the version that wrote it.")
+                                  f"reads versions 1 to {VERSION}. Consolidate it with the version that wrote it.")
+        self.data = self.path / self.meta.get("data", "")  # version 1: the files sit next to meta.json
         self.index: dict[str, list[Piece]] = {
             k: [Piece(*p) for p in pieces] for k, pieces in self.meta["index"].items()}
         self.shapes: dict[str, list[int]] = self.meta["shapes"]
@@ -122,7 +167,7 @@ class Reader:
 
     def _file(self, rank: int) -> dict[str, torch.Tensor]:
         if rank not in self._files:
-            path = self.path / rank_file(rank)
+            path = self.data / rank_file(rank)
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing from checkpoint {self.path}")
             try:
@@ -169,7 +214,7 @@ class Reader:
         return t.view(shape) if shape is not None and t.dim() == 1 else t
 
     def trainer_state(self) -> dict[str, Any]:
-        path = self.path / TRAINER_STATE
+        path = self.data / TRAINER_STATE
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from checkpoint {self.path}")
         try:

@@ -8,7 +8,9 @@ formulas, the planner reads it back, and a logging callback reports it per step.
 Wire bytes per rank follow the nccl-tests "busbw" conventions
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
 reduce-scatter and all-gather move (N-1)/N of the full tensor, all-reduce twice that, a broadcast
-delivers the tensor once to every non-root rank.
+delivers the tensor once to every non-root rank. Object collectives (pickled metadata) and barriers are
+recorded too, so the ledger sees every call this project makes into ``torch.distributed``; their bytes are
+this rank's pickle (an all-gather receives N-1 of them, approximated with this rank's size).
 
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
 ``all_gather_single``/``reduce_scatter_single``: :func:`_rs_impl` / :func:`_ag_impl` pick whichever the
@@ -17,6 +19,7 @@ installed torch has.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections import defaultdict, deque
@@ -43,6 +46,7 @@ __all__ = [
     "is_initialized",
     "new_group",
     "reduce_scatter",
+    "wait",
 ]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -56,7 +60,7 @@ _ag_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tens
 class LedgerEntry:
     """One collective call as seen by this rank."""
 
-    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast"
+    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast" | "all_gather_object" | ... | "barrier"
     group: str  # "world" or the name given to :func:`new_group`
     world: int  # ranks in the group
     bytes: int  # bytes of the full (unsharded) tensor the collective is about
@@ -73,8 +77,12 @@ def ring_wire_bytes(op: str, nbytes: int, world: int) -> float:
         return nbytes * (world - 1) / world
     if op == "all_reduce":
         return 2.0 * nbytes * (world - 1) / world
-    if op == "broadcast":
+    if op in ("broadcast", "broadcast_object"):
         return float(nbytes)
+    if op == "all_gather_object":
+        return float(nbytes * (world - 1))
+    if op == "barrier":
+        return 0.0
     raise ValueError(f"unknown collective op {op!r}")
 
 
@@ -96,11 +104,12 @@ class Ledger:
             self._entries = deque(self._entries, maxlen=n)
 
     def record(self, op: str, group: Any, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
-        world = get_world_size(group)
         numel = tensor.numel() if full_numel is None else full_numel
-        nbytes = numel * tensor.element_size()
-        entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag,
-                            str(tensor.dtype).replace("torch.", ""))
+        self.record_bytes(op, group, numel * tensor.element_size(), tag, str(tensor.dtype).replace("torch.", ""))
+
+    def record_bytes(self, op: str, group: Any, nbytes: int, tag: str = "", dtype: str = "object") -> None:
+        world = get_world_size(group)
+        entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag, dtype)
         with self._lock:
             self._entries.append(entry)
             self._count += 1
@@ -223,6 +232,30 @@ def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) 
     return group
 
 
+_duplicates: dict[tuple, Any] = {}
+
+
+def duplicate_group(ranks: Optional[list[int]], name: str) -> Any:
+    """A process group over ``ranks`` (None: every rank) besides the one that may already exist (collective over
+    the world: every rank calls it for every such group, in the same order), cached so that repeated fits in one
+    process reuse it. Collectives on it are ordered independently of those on the other group."""
+    key = (tuple(range(get_world_size())) if ranks is None else tuple(ranks), name)
+    if key not in _duplicates:
+        _duplicates[key] = new_group(list(key[0]), name)
+    return _duplicates[key]
+
+
+def wait(work: Any, what: str) -> None:
+    """Wait for an async collective; a failure (timeout, peer gone, ranks that issued different collectives)
+    is raised again naming what was waited for and this rank."""
+    try:
+        work.wait()
+    except Exception as err:  # noqa: BLE001 - re-raised with context
+        raise RuntimeError(f"rank {get_rank()}: {what} failed: {err}. Every rank must issue the same collectives "
+                           "in the same order; a rank that died, stalled or ran different code stops the job here."
+                           ) from err
+
+
 def init_process_group(backend: str, rank: int, world_size: int, init_method: str,
                        timeout: timedelta) -> None:
     """Create the default group (used by tests and scripts that run without Lightning)."""
@@ -278,26 +311,48 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
     return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """Pickle-based broadcast of small metadata from the group's member ``src`` (not recorded)."""
+def _pickled_bytes(obj: Any) -> int:
+    try:
+        return len(pickle.dumps(obj))
+    except Exception:  # noqa: BLE001 - only for the ledger's byte count
+        return 0
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None, tag: str = "") -> Any:
+    """Pickle-based broadcast of small metadata from the group's member ``src`` (not a global rank)."""
     if not is_initialized():
         return obj
+    LEDGER.record_bytes("broadcast_object", group, _pickled_bytes(obj) if get_rank(group) == src else 0, tag)
+    _issue("broadcast_object", tag)
     box = [obj]
     dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
     return box[0]
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Pickle-based all-gather for small metadata (not recorded)."""
+def all_gather_object(obj: Any, group: Any = None, tag: str = "") -> list[Any]:
+    """Pickle-based all-gather for small metadata."""
     if not is_initialized():
         return [obj]
+    LEDGER.record_bytes("all_gather_object", group, _pickled_bytes(obj), tag)
+    _issue("all_gather_object", tag)
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def barrier(group: Any = None) -> None:
+def all_gather_list(tensor: torch.Tensor, group: Any = None, tag: str = "") -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank), as a list (Lightning's ``Strategy.all_gather``)."""
+    out = [torch.empty_like(tensor) for _ in range(get_world_size(group))]
+    LEDGER.record("all_gather", group, tensor, tag, full_numel=tensor.numel() * len(out))
+    _issue("all_gather", tag)
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def barrier(group: Any = None, tag: str = "") -> None:
     if is_initialized():
+        LEDGER.record_bytes("barrier", group, 0, tag)
+        _issue("barrier", tag)
         dist.barrier(group=group)
 
 

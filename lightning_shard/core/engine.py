@@ -21,6 +21,7 @@ order so that every rank issues the same collectives in the same sequence.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -33,7 +34,7 @@ from .bucket import Bucket
 from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .state import AccumulationPolicy, GradState
-from .units import UnitSpec, plan_units
+from .units import UnitSpec, describe_plan, plan_units
 from .zero3 import ParamShardController, Unit
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -49,6 +50,7 @@ class UnitConfig:
     min_params: Optional[int] = None  # fsdp: modules with at least this many parameters become units
     reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
     prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
+    leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
 
 
 def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
@@ -63,11 +65,11 @@ class ShardEngine:
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
                  group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
-                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = False,
+                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = True,
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
                  replicate_group: Any = None, overlap_param_gather: bool = True,
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
-                 debug_collectives: bool = False) -> None:
+                 debug_collectives: bool = False, gather_group: Any = None) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
         if not bucket_mb > 0:
@@ -91,6 +93,7 @@ class ShardEngine:
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        self._warned_unused: set[str] = set()
         self.bucket_bytes = int(bucket_mb * 2**20)
         if not optim_chunk_mb > 0:
             raise ValueError(f"optim_chunk_mb must be > 0 (MiB of shard per optimizer tensor), got {optim_chunk_mb}")
@@ -109,11 +112,21 @@ class ShardEngine:
         owner = self._param_owners()
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
+        self.plan_summary = ""
+        self.gather_group = group
         if stage == 3:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
-                               numel=deferred.numel if deferred is not None else (lambda p: p.numel()))
+                               numel=deferred.numel if deferred is not None else (lambda p: p.numel()),
+                               leaf_modules=cfg.leaf_modules)
+            self.plan_summary = describe_plan(specs, cfg.granularity)
             self._agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
+            # parameter gathers get a process group of their own: ranks that run different modules issue them
+            # at different times relative to the gradient reductions (plain sharding: a copy of the world
+            # group; hybrid layouts pass a copy of each shard group)
+            if gather_group is None and group is None:
+                gather_group = C.duplicate_group(None, "gather")
+            self.gather_group = gather_group if gather_group is not None else group
             self.buckets, self.units = self._build_unit_buckets(specs, owner)
             self.controller = ParamShardController(self, self.units, cfg.reshard_after_forward, cfg.prefetch_depth)
         else:
@@ -131,7 +144,7 @@ class ShardEngine:
             self._hooks += self._register_gather_waits()
         self._require_sync = True
         self._comm_this_backward = False
-        self._boundary_this_backward = False
+        self.boundary_backward = False  # the backward running now ends an accumulation window
         self._next_launch = 0
         self.last_grad_norm: Optional[float] = None
 
@@ -222,7 +235,8 @@ class ShardEngine:
         def make(ui: int) -> None:
             per_unit[ui] = [Bucket(-1, ps, ns, key[0][0] if key[0] else None, key[0][1] if key[0] else None,
                                    stage=3, rank=self.rank, world=self.world, group=self.group,
-                                   replicate_group=self.replicate_group, chunk_numel=self.chunk_numel)
+                                   replicate_group=self.replicate_group, chunk_numel=self.chunk_numel,
+                                   gather_group=self.gather_group)
                             for key, ps, ns in keyed[ui]]
             if self.deferred is not None:
                 self.deferred.sharded(specs[ui].params)
@@ -303,9 +317,13 @@ class ShardEngine:
             bucket.adopt_grad(i)
             if bucket.unit is not None and bucket.unit.pending == 0:
                 self.controller.on_grads_ready(bucket.unit)
-            if self._comm_this_backward and self.overlap and bucket.pending == 0:
-                self._launch_in_order(force=False)
+            self.bucket_ready(bucket)
         return hook
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
+        if self._comm_this_backward and self.overlap and bucket.pending == 0:
+            self._launch_in_order(force=False)
 
     # ------------------------------------------------------------------ the controller
     @contextmanager
@@ -323,7 +341,7 @@ class ShardEngine:
 
     def pre_backward(self) -> None:
         self.wait_params()
-        self._boundary_this_backward = self._require_sync
+        self.boundary_backward = self._require_sync
         self._comm_this_backward = self.communicates_on_next_backward()
         self._next_launch = 0
         for b in self._comm_buckets:
@@ -337,6 +355,8 @@ class ShardEngine:
                 b.pending = len(b.params)
             else:
                 b.attach_grads()
+        if self.controller is not None:
+            self.controller.begin_backward()
 
     def post_backward(self) -> None:
         if not self._comm_this_backward:
@@ -346,7 +366,7 @@ class ShardEngine:
             self._launch_in_order(force=True)
             accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
             for b in self._comm_buckets:
-                b.finish_reduce(self._boundary_this_backward, accumulate)
+                b.finish_reduce(self.boundary_backward, accumulate)
             self._comm_this_backward = False
         if self.controller is not None:
             self.controller.end_backward()
@@ -380,33 +400,45 @@ class ShardEngine:
             if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
                 b.launch_reduce(self._reduce_dtype_for(b), async_op=False)
                 b.finish_reduce(True, accumulate)
-        if self.find_unused_parameters:
-            self._protect_unused(optimizer)
+        self._leave_out_unused(optimizer)
         if self.controller is not None:
             self.controller.before_step()
 
-    def _protect_unused(self, optimizer: torch.optim.Optimizer) -> None:
-        """Parameters that got no gradient on any rank in this window are left untouched by the step (as torch
-        does for ``grad=None``). One small all-reduce of a used-mask per optimizer step."""
+    def _leave_out_unused(self, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters that got no gradient on any rank in this window are left out of the step, exactly as torch
+        leaves a parameter whose ``.grad`` is None (no momentum, weight decay or Adam step). Costs one all-reduce
+        of one byte per parameter per optimizer step (``find_unused_parameters=True``, the default).
+
+        With ``find_unused_parameters=False`` the mask is not exchanged: every parameter steps, one without a
+        gradient with zeros (as DDP's ``find_unused_parameters=False`` would, had it not raised); a parameter that
+        got no gradient on this rank is named once in a warning."""
         buckets = self.binding_for(optimizer).buckets
+        if not buckets:
+            return
         mask = torch.cat([b.used for b in buckets]).to(self.buckets[0].device)
+        if not self.find_unused_parameters:
+            for b in buckets:
+                for i in range(len(b.params)):
+                    if not b.used[i] and b.names[i] not in self._warned_unused:
+                        self._warned_unused.add(b.names[i])
+                        warnings.warn(f"rank {C.get_rank()}: parameter {b.names[i]} got no gradient in this window; "
+                                      "with find_unused_parameters=False it steps with a zero gradient (momentum and "
+                                      "weight decay still move it). Leave find_unused_parameters at True (default) "
+                                      "for the result of one process.", stacklevel=3)
+            return
         if self.total_world > 1:
-            mask = mask.float()
             C.all_reduce(mask, op="max", group=None, tag="used_mask")
         off = 0
         for b in buckets:
             local = mask[off:off + len(b.params)]
             off += len(b.params)
-            unused = [i for i in range(len(b.params)) if local[i] == 0]
-            b.protect_unused(unused, optimizer.state)
+            b.leave_out([i for i in range(len(b.params)) if local[i] == 0])
 
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
         if self.debug_collectives:
             self.check_collective_sequence()
         buckets = self.binding_for(optimizer).buckets
-        for b in buckets:
-            b.restore_unused(optimizer.state)
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.launch_gather(async_op=True)
         if self.overlap_param_gather:

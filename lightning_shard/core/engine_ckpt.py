@@ -43,8 +43,8 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
     for b in engine.buckets:
         writer = first_replica and (b.stage > 0 or global_rank == 0)
         binding = engine.bindings[b.opt_index] if b.trainable else None
-        state = b.shard_state(binding.optimizer.state) if binding is not None else {}
-        for slot, p in zip(b.layout.slots, b.params):
+        states = b.slot_state(binding.optimizer.state) if binding is not None else {}
+        for si, (slot, p) in enumerate(zip(b.layout.slots, b.params)):
             name = aliases[id(p)][0]
             shapes[name] = list(slot.shape)
             bucketed.add(id(p))
@@ -57,10 +57,10 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
             own = slice(a - b.own_lo, e - b.own_lo)
             if b.master is not None:
                 pieces[f"master/{name}"], index[f"master/{name}"] = b.master[own], rng
-            for k, v in state.items():
+            for k, v in states.get(si, {}).items():  # this parameter's own optimizer state (absent: never stepped)
                 key = f"optim/{b.opt_index}/{name}/{k}"
-                if torch.is_tensor(v) and v.dim() == 1:
-                    pieces[key], index[key] = v[own], rng
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == e - a:
+                    pieces[key], index[key] = v, rng
                 elif rng[0] == 0:  # scalar state (step): written once, by the owner of the first element
                     pieces[key], index[key] = torch.as_tensor(v).clone(), [0, 1]
     module_state = engine.module.state_dict()
@@ -131,25 +131,21 @@ def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
 
 def _load_bucket_optimizer(b: Any, engine: "ShardEngine", reader: Reader, aliases: dict) -> None:
     binding = engine.bindings[b.opt_index]
-    names = [aliases[id(p)][0] for p in b.params]
-    keys = sorted({k for n in names for k in reader.keys(f"optim/{b.opt_index}/{n}/")})
-    if not keys:
-        return  # saved before the first optimizer step
-    flat: dict[str, Any] = {}
-    for k in keys:
-        sample = next((n for n in names if reader.has(f"optim/{b.opt_index}/{n}/{k}")), None)
-        first = reader.read(f"optim/{b.opt_index}/{sample}/{k}", 0, 1)
-        if first.dim() == 0:
-            flat[k] = first
-            continue
-        out = torch.zeros(b.owned_numel, dtype=first.dtype, device=b.device)
-        for slot, n in zip(b.layout.slots, names):
-            a, e = max(slot.offset, b.own_lo), min(slot.end, b.own_hi)
-            if a < e:
-                out[a - b.own_lo:e - b.own_lo].copy_(reader.read(f"optim/{b.opt_index}/{n}/{k}",
-                                                                 a - slot.offset, e - slot.offset))
-        flat[k] = out
-    b.set_shard_state(binding.optimizer.state, flat)
+    states: dict[int, dict[str, Any]] = {}
+    for si, (lo, hi) in b.slot_ranges.items():
+        slot = b.layout.slots[si]
+        name = aliases[id(b.params[si])][0]
+        entry: dict[str, Any] = {}
+        for k in reader.keys(f"optim/{b.opt_index}/{name}/"):
+            first = reader.read(f"optim/{b.opt_index}/{name}/{k}", 0, 1)
+            if first.dim() == 0:
+                entry[k] = first
+            else:
+                a = b.own_lo + lo - slot.offset  # this rank's piece, in the parameter's flat coordinates
+                entry[k] = reader.read(f"optim/{b.opt_index}/{name}/{k}", a, a + hi - lo).to(b.device)
+        if entry:  # absent: saved before this parameter ever stepped
+            states[si] = entry
+    b.set_slot_state(binding.optimizer.state, states)
     saved = reader.meta["optimizers"][b.opt_index]["groups"] if b.opt_index < len(reader.meta["optimizers"]) else []
     if len(saved) != len(binding.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {reader.path}: optimizer {b.opt_index} has {len(saved)} param groups, the "

@@ -80,22 +80,22 @@ class OptimizerBinding:
         index = self.orig_index()
         state: dict[int, dict[str, Any]] = {}
         for b in self.buckets:
-            shard_state = b.shard_state(self.optimizer.state)
-            keys = sorted(C.all_gather_object(sorted(shard_state.keys()), b.group)[0]) if b.stage else sorted(shard_state)
-            full: dict[str, Any] = {}
-            for k in keys:
-                v = shard_state.get(k)
-                if torch.is_tensor(v) and v.dim() == 1:
-                    full[k] = _gather_flat(b, v)
-                else:
-                    full[k] = C.broadcast_object(v, 0, b.group) if b.stage else v
-            for slot, p in zip(b.layout.slots, b.params):
-                per = {}
-                for k, v in full.items():
-                    per[k] = v[slot.offset:slot.end].view(slot.shape).clone() if torch.is_tensor(v) and v.dim() == 1 \
-                        and v.numel() == b.layout.padded_numel else (v.clone() if torch.is_tensor(v) else v)
-                if per:
-                    state[index[id(p)]] = per
+            mine = b.slot_state(self.optimizer.state)
+            # which parameters have state, and the state's keys and scalars: from the owner of element 0
+            meta = {slot: {k: (None if _is_piece(v, b, slot) else v) for k, v in st.items()}
+                    for slot, st in mine.items() if b.own_lo + b.slot_ranges[slot][0] == b.layout.slots[slot].offset}
+            merged: dict[int, dict[str, Any]] = {}
+            for theirs in (C.all_gather_object(meta, b.group, tag="optimizer_state") if b.stage else [meta]):
+                merged.update(theirs)
+            keys = sorted({k for st in merged.values() for k, v in st.items() if v is None})
+            flats = {k: _gather_flat(b, _owned_flat(b, mine, k)) for k in keys}
+            for slot, p in enumerate(b.params):
+                if slot not in merged:
+                    continue
+                sl = b.layout.slots[slot]
+                per = {k: (flats[k][sl.offset:sl.end].view(sl.shape).clone() if v is None else
+                           (v.clone() if torch.is_tensor(v) else v)) for k, v in merged[slot].items()}
+                state[index[id(p)]] = per
         groups = []
         for gi, g in enumerate(self.optimizer.param_groups):
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -104,7 +104,7 @@ class OptimizerBinding:
         return {"state": state, "param_groups": groups}
 
     def load_full_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load torch's per-parameter format, keeping only this rank's shard of each state tensor."""
+        """Load torch's per-parameter format, keeping only this rank's piece of each state tensor."""
         groups = sd.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.optimizer.param_groups):
             have = len(groups) if isinstance(groups, list) else "no"
@@ -120,22 +120,33 @@ class OptimizerBinding:
         index = self.orig_index()
         self.optimizer.state.clear()
         for b in self.buckets:
-            per_param = [saved_state.get(index[id(p)], {}) for p in b.params]
-            keys = sorted({k for s in per_param for k in s})
-            if not keys:
-                continue
-            new: dict[str, Any] = {}
-            for k in keys:
-                sample = next(s[k] for s in per_param if k in s)
-                if torch.is_tensor(sample) and sample.dim() >= 1:
-                    flat = torch.zeros(b.layout.padded_numel, dtype=sample.dtype, device=b.device)
-                    for slot, s in zip(b.layout.slots, per_param):
-                        if k in s:
-                            flat[slot.offset:slot.end].copy_(s[k].reshape(-1))
-                    new[k] = flat[b.own_lo:b.own_hi].clone()
-                else:
-                    new[k] = sample.clone().to(b.device) if torch.is_tensor(sample) else sample
-            b.set_shard_state(self.optimizer.state, new)
+            states: dict[int, dict[str, Any]] = {}
+            for slot, (lo, hi) in b.slot_ranges.items():
+                src = saved_state.get(index[id(b.params[slot])])
+                if not src:
+                    continue
+                sl = b.layout.slots[slot]
+                a = b.own_lo + lo - sl.offset  # this rank's piece, in the parameter's flat coordinates
+                states[slot] = {k: (v.reshape(-1)[a:a + hi - lo].to(b.device) if torch.is_tensor(v) and
+                                    v.numel() == sl.numel and v.dim() >= 1 else v) for k, v in src.items()}
+            b.set_slot_state(self.optimizer.state, states)
+
+
+def _is_piece(v: Any, b: Bucket, slot: int) -> bool:
+    lo, hi = b.slot_ranges[slot]
+    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == hi - lo
+
+
+def _owned_flat(b: Bucket, mine: dict[int, dict[str, Any]], key: str) -> torch.Tensor:
+    """This rank's owned elements of state ``key`` as one flat tensor (zeros where a parameter has none)."""
+    sample = next((st[key] for st in mine.values() if key in st and torch.is_tensor(st[key])), None)
+    dtype = sample.dtype if sample is not None else torch.float32
+    out = torch.zeros(b.owned_numel, dtype=dtype, device=b.device)
+    for slot, st in mine.items():
+        if key in st and _is_piece(st[key], b, slot):
+            lo, hi = b.slot_ranges[slot]
+            out[lo:hi].copy_(st[key])
+    return out
 
 
 def _gather_flat(b: Bucket, v: torch.Tensor) -> torch.Tensor:

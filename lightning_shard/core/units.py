@@ -2,7 +2,14 @@
 
 * ``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity).
 * ``fsdp``: modules chosen by a wrap policy (module classes, or a minimum parameter count) are units; each
-  owns the parameters of its subtree not owned by a nested unit.
+  owns the parameters of its subtree not owned by a nested unit. ``wrap_classes="auto"`` takes the classes of
+  the blocks held in ``nn.ModuleList``s; a model without any is one unit (the root), as Lightning's FSDP
+  trains a model without a wrap policy.
+* ``leaf_modules`` (both): modules whose whole subtree is one unit, gathered in the leaf's forward (e.g. a
+  mixture-of-experts block, or a module whose code reads its children's weights in ways the bytecode scan of
+  :mod:`.reads` cannot see).
+* A parameter that a module's forward reads itself (``self.out_proj.weight`` in ``nn.MultiheadAttention``)
+  belongs to the reader's unit; under ``zero3`` the reader becomes a unit if it was not one.
 * The **root unit** holds every parameter no unit claims, plus tied parameters used by modules of different
   units (an embedding shared with the output head). The root is gathered around the whole training step,
   so a tied weight is always materialized wherever it is used.
@@ -17,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from torch import nn
+
+from .reads import child_parameter_reads
 
 ROOT = "<root>"
 CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
@@ -48,34 +57,68 @@ def _matches(module: nn.Module, classes: tuple) -> bool:
 
 
 def auto_wrap_classes(root: nn.Module) -> tuple[type, ...]:
-    """``wrap_classes="auto"``: the classes of modules held in an ``nn.ModuleList`` (transformer blocks)."""
+    """``wrap_classes="auto"``: the classes of modules held in an ``nn.ModuleList`` (transformer blocks); empty
+    when the model has none (the whole model is then one unit)."""
     found: list[type] = []
     for m in root.modules():
         if isinstance(m, nn.ModuleList):
             for child in m:
                 if any(True for _ in child.parameters()) and type(child) not in found:
                     found.append(type(child))
-    if not found:
-        raise ValueError("wrap_classes='auto' found no nn.ModuleList of blocks in this model; pass wrap_classes=[...] "
-                         "(your block class) or min_params=N")
     return tuple(found)
 
 
+def _named(root: nn.Module, spec) -> set[str]:
+    """Names of the modules matching ``spec``: classes, class names, or module FQNs."""
+    items = _classes(spec)
+    return {n for n, m in root.named_modules() if n and (_matches(m, items) or n in items)}
+
+
+def describe_plan(specs: list["UnitSpec"], granularity: str) -> str:
+    """One line for the log: how many units of which classes, and what the root holds."""
+    counts: dict[str, int] = {}
+    for s in specs:
+        if s.module is not None:
+            counts[type(s.module).__name__] = counts.get(type(s.module).__name__, 0) + 1
+    root = next((s for s in specs if s.module is None), None)
+    kinds = ", ".join(f"{n} x {c}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if not counts:
+        return (f"{granularity} units: none below the root, so the whole model is one unit gathered around each "
+                f"step ({len(root.params) if root else 0} parameters)")
+    held = f"; root unit: {len(root.params)} parameters (tied or outside any unit)" if root else ""
+    return f"{granularity} units: {kinds}{held}"
+
+
 def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params: Optional[int] = None,
-               numel: Callable[[nn.Parameter], int] = lambda p: p.numel()) -> list[UnitSpec]:
+               numel: Callable[[nn.Parameter], int] = lambda p: p.numel(), leaf_modules=None) -> list[UnitSpec]:
     """Units in forward-ish (registration) order, the root unit first if it holds anything."""
-    classes = auto_wrap_classes(root) if wrap_classes == "auto" else _classes(wrap_classes)
+    auto = wrap_classes == "auto"
+    classes = auto_wrap_classes(root) if auto else _classes(wrap_classes)
     if granularity not in ("zero3", "fsdp"):
         raise ValueError(f"unit granularity must be 'zero3' or 'fsdp', got {granularity!r}")
-    if granularity == "fsdp" and not classes and min_params is None:
-        raise ValueError("fsdp_shard needs a wrap policy: wrap_classes=[...] (e.g. your transformer block class) "
-                         "or min_params=N (wrap modules with at least N parameters)")
+    if granularity == "fsdp" and not classes and min_params is None and not auto and not leaf_modules:
+        raise ValueError("fsdp_shard needs a wrap policy: wrap_classes=[...] (e.g. your transformer block class), "
+                         "min_params=N (wrap modules with at least N parameters) or 'auto'")
     modules = dict(root.named_modules())
+    leaves = _named(root, leaf_modules)
+    if leaf_modules and not leaves:
+        present = sorted({type(m).__name__ for m in modules.values()})
+        raise ValueError(f"leaf_modules={list(map(str, _classes(leaf_modules)))} matched no module of the model; "
+                         f"module classes in this model: {present}")
+    # parameters that a module's forward code reads itself belong to the reader (see reads.py)
+    all_params = dict(root.named_parameters(remove_duplicate=False))
+    readers: dict[int, set[str]] = {}
+    for n, m in modules.items():
+        for rel in child_parameter_reads(m):
+            p = all_params.get(f"{n}.{rel}" if n else rel)
+            if p is not None:
+                readers.setdefault(id(p), set()).add(n)
     if granularity == "zero3":
         # containers have no forward of their own to hook: their parameters are read by the parent's code,
         # so they go to the parent's unit (the root unit when the parent is the LightningModule)
-        unit_names = [n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False))
-                      and not isinstance(m, CONTAINERS)]
+        reading = {r for rs in readers.values() for r in rs}
+        unit_names = [n for n, m in modules.items() if n and not isinstance(m, CONTAINERS) and
+                      (any(True for _ in m.parameters(recurse=False)) or n in reading)]
     else:
         unit_names = []
         for n, m in modules.items():
@@ -88,14 +131,19 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
                     (min_params is not None and sum(numel(p) for p in m.parameters()) >= min_params
                      and any(True for _ in m.parameters(recurse=False))):
                 unit_names.append(n)
-        if not unit_names:
+        if not unit_names and not auto and not leaves:
             present = sorted({type(m).__name__ for m in modules.values()})
             raise ValueError(f"wrap policy (classes={[str(c) for c in classes]}, min_params={min_params}) matched no "
                              f"module; module classes in this model: {present}")
         with_params = [n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False))]
-        if min_params is None and set(with_params) <= set(unit_names) and len(with_params) > 1:
+        if min_params is None and not auto and set(with_params) <= set(unit_names) and len(with_params) > 1:
             raise ValueError("the wrap policy makes every module with parameters a unit: that is ZeRO-3 granularity; "
                              "use strategy zero3, or wrap larger blocks (e.g. transformer block classes)")
+
+    # a leaf's subtree is one unit: no unit inside it survives
+    inside = lambda n: any(n != leaf and n.startswith(leaf + ".") for leaf in leaves)  # noqa: E731
+    unit_names = [n for n in dict.fromkeys(unit_names + sorted(leaves, key=list(modules).index)) if not inside(n)]
+    unit_names.sort(key=list(modules).index)
 
     # owner unit of each parameter: the innermost unit whose subtree contains the module holding it
     def owner_of(module_name: str) -> str:
@@ -111,14 +159,17 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
     params: dict[int, nn.Parameter] = {}
     for full_name, p in root.named_parameters(remove_duplicate=False):
         module_name = full_name.rsplit(".", 1)[0] if "." in full_name else ""
-        owners.setdefault(id(p), set()).add(owner_of(module_name))
+        if id(p) in readers:  # read by a parent's code: the readers' units, not the holder's
+            owners.setdefault(id(p), set()).update(owner_of(r) for r in readers[id(p)])
+        else:
+            owners.setdefault(id(p), set()).add(owner_of(module_name))
         first_name.setdefault(id(p), full_name)
         params[id(p)] = p
     specs = {u: UnitSpec(u, modules[u]) for u in unit_names}
     specs[ROOT] = UnitSpec(ROOT, None)
     for pid, p in params.items():
         homes = owners[pid]
-        if len(homes) > 1 and granularity == "fsdp" and ROOT not in homes:
+        if len(homes) > 1 and granularity == "fsdp" and ROOT not in homes and pid not in readers:
             raise ValueError(f"parameter {first_name[pid]} is tied across units {sorted(homes)}: the wrap policy "
                              "would split it. Wrap a common parent of both modules, or leave one of them unwrapped "
                              "so the root unit holds the tied weight.")

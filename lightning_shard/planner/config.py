@@ -87,7 +87,7 @@ class Job:
     accumulation: int = 1  # micro-batches per optimizer step
     seq: int = 1  # tokens per sample (1 for non-sequence models)
     precision: str = "32-true"
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = True  # the strategies' default: a used-mask all-reduce per step
     broadcast_buffers: bool = True
     clip: bool = False  # gradient clipping by norm (one 0-dim all-reduce per step)
     optimizer: str = "adam"  # adam | sgd | sgd_momentum: state bytes per element

@@ -55,6 +55,7 @@ class JobPlacement:
             repl = [self.ring(range(k, n, s)) for k in range(s)]
             out["shard"] = min(shard, key=lambda r: r.gbps)
             out["replicate"] = min(repl, key=lambda r: r.gbps)
+        out["gather"] = out.get("shard", out["world"])  # stage 3's parameter gathers: a copy of the shard group
         return out
 
 

@@ -87,7 +87,8 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 times = 2 if cfg.reshard_after_forward else 1
             for k in range(times):
                 for b in layout.buckets:
-                    out.append(Collective("all_gather", gname, S, b.padded_numel * b.itemsize, "unshard",
+                    # parameter gathers run on a copy of the shard group of their own (core/zero3.py)
+                    out.append(Collective("all_gather", "gather", S, b.padded_numel * b.itemsize, "unshard",
                                           "forward" if k == 0 else "backward", m))
         if boundary or cfg.per_micro_batch:
             for b in layout.trainable:
@@ -103,7 +104,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
     for oi in range(num_optimizers):
         mine = [b for b in layout.trainable if b.opt_index == oi]
         if job.find_unused_parameters and N > 1:
-            out.append(Collective("all_reduce", "world", N, 4 * sum(b.num_params for b in mine), "used_mask", "step", last))
+            out.append(Collective("all_reduce", "world", N, sum(b.num_params for b in mine), "used_mask", "step", last))  # uint8
         if job.loss_scaling and N > 1:
             out.append(Collective("all_reduce", "world", N, 4, "found_inf", "step", last))
         if job.clip and layout.stage > 0 and S > 1:

@@ -21,8 +21,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..core import collectives as C
-from ..core.checkpoint import CheckpointError, Reader, commit, is_sharded_checkpoint, rank_file, write_rank_file, \
-    write_trainer_state
+from ..core.checkpoint import CheckpointError, Reader, commit, data_dir_for, is_sharded_checkpoint, rank_file, \
+    write_rank_file, write_trainer_state
 from ..core.consolidate import lightning_checkpoint, model_state
 from ..core.engine_ckpt import collect_pieces
 
@@ -69,28 +69,30 @@ def translate_loop_counters(ckpt: dict[str, Any], saved: dict[str, Any], world: 
 
 def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str,
                  accumulate: int = 1) -> None:
-    """Every rank writes its pieces into a temporary folder; rank 0 commits it as ``filepath``. Collective."""
+    """Every rank writes its pieces into a new version folder; rank 0 commits it as ``filepath`` (an overwrite
+    swaps ``meta.json`` atomically, see core/checkpoint.py). Collective."""
     final = Path(filepath)
-    suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None)
-    tmp = final.with_name(f"{final.name}.tmp-{suffix}")
+    suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None, tag="checkpoint")
+    data, root = data_dir_for(final, suffix) if C.get_rank() == 0 else (None, None)
+    data, root = C.broadcast_object((data, root), tag="checkpoint")  # one decision for every rank
     if C.get_rank() == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    C.barrier()
+        data.mkdir(parents=True, exist_ok=False)
+    C.barrier(tag="checkpoint")
     pieces, index, meta = collect_pieces(engine)
-    write_rank_file(tmp, C.get_rank(), pieces)
-    all_index = C.all_gather_object(index)
-    C.barrier()  # every rank's file is on disk (fsync'd) before the commit
+    write_rank_file(data, C.get_rank(), pieces)
+    all_index = C.all_gather_object(index, tag="checkpoint")
+    C.barrier(tag="checkpoint")  # every rank's file is on disk (fsync'd) before the commit
     if C.get_rank() == 0:
         merged: dict[str, list] = {}
         for rank, idx in enumerate(all_index):
             for key, (lo, hi) in idx.items():
                 merged.setdefault(key, []).append([rank, lo, hi])
-        write_trainer_state(tmp, plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}))
+        write_trainer_state(data, plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}))
         meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name, accumulate_grad_batches=accumulate,
                     files=[rank_file(r) for r in range(C.get_world_size())],
                     versions={"torch": torch.__version__, "lightning_shard": _version()})
-        commit(tmp, final, meta)
-    C.barrier()
+        commit(root, final, meta, data.name)
+    C.barrier(tag="checkpoint")
 
 
 def _version() -> str:
@@ -115,6 +117,42 @@ def full_model_state(reader: Reader) -> dict[str, torch.Tensor]:
     return model_state(reader, prefer_master=True)
 
 
+class ShardedWeights(dict):
+    """What ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"][i]`` hold while Lightning builds a
+    checkpoint in ``state_dict_type="sharded"`` mode: the weights are not gathered, each rank writes its own
+    shards. Reading it (in an ``on_save_checkpoint`` hook) raises instead of silently giving nothing."""
+
+    _MSG = ("lightning_shard: with state_dict_type='sharded' the checkpoint's weights are not gathered into the "
+            "checkpoint dict; each rank writes its shards when the checkpoint is saved. For full weights call "
+            "trainer.strategy.full_state_dict() (collective: on every rank), or use state_dict_type='full'.")
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self._MSG)
+
+    __getitem__ = __iter__ = __len__ = __contains__ = keys = values = items = get = _refuse
+    __setitem__ = update = pop = _refuse
+
+    def __repr__(self) -> str:
+        return "ShardedWeights(<written per rank by save_checkpoint>)"
+
+    def __reduce__(self) -> Any:
+        return (dict, ())  # pickles as an empty dict: nothing of it is ever written
+
+
+def _called_by_checkpoint_dump() -> bool:
+    """True inside Lightning's ``_CheckpointConnector.dump_checkpoint`` (which calls us on every rank)."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "dump_checkpoint" and "checkpoint_connector" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class ShardedCheckpointIO(TorchCheckpointIO):
     """For any Trainer: reads lightning_shard sharded directories (consolidated in memory) and regular files;
     removes checkpoint directories. ``Trainer(strategy="ddp", plugins=[ShardedCheckpointIO()])``.
@@ -127,6 +165,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
         self.world_size, self.accumulate_grad_batches = world_size, accumulate_grad_batches
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
+        """Sharded directories and regular files, always with ``weights_only=True`` (the argument is ignored)."""
         if is_sharded_checkpoint(path):
             reader = Reader(path)
             ckpt = lightning_checkpoint(reader)
@@ -135,7 +174,7 @@ class ShardedCheckpointIO(TorchCheckpointIO):
             return ckpt
         if Path(path).is_dir():
             Reader(path)  # raises the explanatory error
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=True)  # never unpickle code
 
     def remove_checkpoint(self, path: Any) -> None:
         p = Path(path)
@@ -171,15 +210,19 @@ class CheckpointMixin:
         return state
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights in ``"full"`` mode; in ``"sharded"`` mode ``save_checkpoint`` writes the shards itself and
-        this returns ``{}`` (nothing is gathered). Use :meth:`full_state_dict` for a gathered copy."""
-        return {} if self._sharded() else self.full_state_dict()
+        """Full weights, as the module's ``state_dict()`` names them (collective: every rank must call it; fp32
+        masters for half-precision parameters). Lightning's own checkpoint save in ``"sharded"`` mode gets a
+        :class:`ShardedWeights` placeholder instead, since ``save_checkpoint`` writes each rank's shards itself."""
+        if self._sharded() and _called_by_checkpoint_dump():
+            return ShardedWeights()
+        return self.full_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Torch's per-parameter optimizer state, gathered (collective), except inside Lightning's sharded save."""
         if self.engine is None:
             return optimizer.state_dict()
-        if self._sharded():
-            return {}
+        if self._sharded() and _called_by_checkpoint_dump():
+            return ShardedWeights()
         return self.engine.binding_for(getattr(optimizer, "_optimizer", optimizer)).full_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -206,7 +249,9 @@ class CheckpointMixin:
             translate_loop_counters(ckpt, self._reader.meta, self.world_size,
                                     getattr(trainer, "accumulate_grad_batches", 1))
             return ckpt
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # weights_only=True whatever the caller asks: a checkpoint is data, never code to run (torch.load with
+        # weights_only=False executes arbitrary pickles). Own classes in hparams: torch.serialization.add_safe_globals
+        return super().load_checkpoint(checkpoint_path, weights_only=True)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
@@ -260,4 +305,5 @@ class CheckpointMixin:
             _optimizer_to_device(optimizer, self.root_device)
 
 
-__all__ = ["CheckpointError", "CheckpointMixin", "ShardedCheckpointIO", "load_for_strategy", "save_sharded"]
+__all__ = ["CheckpointError", "CheckpointMixin", "ShardedCheckpointIO", "ShardedWeights", "load_for_strategy",
+           "save_sharded"]

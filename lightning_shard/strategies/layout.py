@@ -24,6 +24,7 @@ class Groups:
     shard: Any = None  # None: the world group
     replicate: Any = None  # None: no replication (plain sharding)
     axes: Optional[dict[str, int]] = None
+    gather: Any = None  # stage 3: a copy of the shard group for parameter all-gathers (None: the engine makes one)
 
 
 def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
@@ -47,8 +48,9 @@ def validate_shard_size(shard_size: Union[None, int, str]) -> None:
 
 
 def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology], world: int, num_nodes: int,
-                rank: int) -> Groups:
-    """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to."""
+                rank: int, stage: int = 2) -> Groups:
+    """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to; at
+    stage 3 also a copy of each shard group for parameter all-gathers."""
     if shard_size is None:
         return Groups()
     if shard_size == "auto":
@@ -69,8 +71,9 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
     mine = Groups(axes={"replicate": len(shard_groups), "shard": len(shard_groups[0])})
     for ranks in shard_groups:  # every rank creates every group, in the same order
         g = C.new_group(list(ranks), "shard")
+        gather = C.duplicate_group(list(ranks), "gather") if stage == 3 else None
         if rank in ranks:
-            mine.shard = g
+            mine.shard, mine.gather = g, gather
     for ranks in replicate_groups:
         g = C.new_group(list(ranks), "replicate")
         if rank in ranks:

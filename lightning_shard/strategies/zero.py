@@ -33,9 +33,11 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
                   cache-friendly on CPU. ``overlap_param_gather``: zero1/zero2 all-gather updated parameters in
                   the background after the step; each module waits for its own bucket in its forward (default True).
-``find_unused_parameters``  leave parameters that got no gradient on any rank in a window untouched by the step,
-                  exactly as torch does for ``grad=None`` (costs one small all-reduce per step). Off (default),
-                  they step with a zero gradient, so momentum/weight decay still move them (as DDP does).
+``find_unused_parameters``  ``True`` (default): parameters that got no gradient on any rank in a window are left
+                  out of the step exactly as torch leaves a parameter whose ``.grad`` is None (no momentum, weight
+                  decay or Adam step), so the result is that of one process; costs one all-reduce of one byte per
+                  parameter per optimizer step. ``False`` skips that all-reduce: such parameters step with a zero
+                  gradient (momentum and weight decay still move them) and a warning names them once per rank.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
-                 find_unused_parameters: bool = False, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
+                 find_unused_parameters: bool = True, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
                  skip_nonfinite: Optional[bool] = None, debug_collectives: bool = False,
                  overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
                  topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
@@ -218,7 +220,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
         topology = resolve_topology(self.topology_spec, self.num_processes)
-        self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank)
+        self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
+                                   self.stage)
         shard = self._groups.axes["shard"] if self._groups.axes else None
         warning = check_job_placement(topology, self.num_processes, self.stage, shard, self.strict_placement)
         self.placement_warning = warning
@@ -248,7 +251,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                                       group=self._groups.shard, replicate_group=self._groups.replicate,
                                       optim_chunk_mb=self.optim_chunk_mb, skip_nonfinite=self.skip_nonfinite,
                                       debug_collectives=self.debug_collectives,
-                                      overlap_param_gather=self.overlap_param_gather)
+                                      overlap_param_gather=self.overlap_param_gather,
+                                      gather_group=self._groups.gather)
+            if self.engine.plan_summary:
+                rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
@@ -322,10 +328,20 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return out
 
     def barrier(self, name: Optional[str] = None) -> None:
-        C.barrier()
+        C.barrier(tag=name or "strategy")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return C.broadcast_object(obj, src)
+        return C.broadcast_object(obj, src, tag="strategy")
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked on a new first dimension (``LightningModule.all_gather``), through the
+        ledger. ``sync_grads`` is not supported (no autograd through the gather)."""
+        if not C.is_initialized():
+            return tensor.unsqueeze(0)
+        if sync_grads:
+            raise NotImplementedError("lightning_shard strategies do not differentiate through all_gather "
+                                      "(sync_grads=True); gather detached tensors")
+        return torch.stack(C.all_gather_list(tensor.detach().contiguous(), group=group, tag="strategy"))
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -13,7 +13,12 @@ Knobs, on top of ZeroStrategy's (``bucket_mb`` has no effect here: units are the
                   False keeps them until its backward (ZeRO-2-like traffic, more memory).
 ``prefetch_depth``  units all-gathered ahead of use, in forward and in backward (default 1; 0 disables).
 ``wrap_classes`` / ``min_params``  (fsdp_shard) which modules become units: classes or class names, or a
-                  minimum parameter count.
+                  minimum parameter count. ``"auto"`` (default): the blocks held in ``nn.ModuleList``s; a model with
+                  none is one unit (gathered around each step). The plan is logged once at setup.
+``leaf_modules``  module classes, class names or FQNs whose whole subtree is one unit, gathered in the leaf's own
+                  forward (a mixture-of-experts block, a module whose code reads its children's weights). A
+                  parameter read by a parent's code (``self.out_proj.weight``) is put in the parent's unit
+                  automatically, and uses the scan misses are found in the first step (core/guard.py).
 ``param_init_fn``  deferred init (``configure_model``): called as ``fn(module)`` to initialise a module's
                   own parameters; default: the module's ``reset_parameters()``.
 """
@@ -30,7 +35,7 @@ from ..core.deferred import DeferredInit, has_meta_tensors
 from ..core.engine import UnitConfig
 from .zero import BASE_KNOBS, ZeroStrategy
 
-ZERO3_KNOBS = BASE_KNOBS + ("reshard_after_forward", "prefetch_depth", "param_init_fn")
+ZERO3_KNOBS = BASE_KNOBS + ("reshard_after_forward", "prefetch_depth", "param_init_fn", "leaf_modules")
 ACCUMULATION3 = ("auto", "per_micro_batch", "keep_unsharded_grads", "keep_params")
 
 
@@ -57,7 +62,7 @@ class Zero3Strategy(ZeroStrategy):
     GRANULARITY = "zero3"
 
     def __init__(self, reshard_after_forward: bool = True, prefetch_depth: int = 1,
-                 param_init_fn: Optional[Callable] = None, **kwargs: Any) -> None:
+                 param_init_fn: Optional[Callable] = None, leaf_modules: Any = None, **kwargs: Any) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True (free parameters after forward) or False (keep "
                              f"them until backward), got {reshard_after_forward!r}")
@@ -65,6 +70,10 @@ class Zero3Strategy(ZeroStrategy):
             raise ValueError(f"prefetch_depth must be an integer >= 0 (units gathered ahead), got {prefetch_depth!r}")
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
         self.param_init_fn = param_init_fn
+        if leaf_modules is not None and not isinstance(leaf_modules, (str, type, list, tuple)):
+            raise ValueError(f"leaf_modules must be a module class, a class name, a module FQN or a list of them, got "
+                             f"{leaf_modules!r}")
+        self.leaf_modules = list(leaf_modules) if isinstance(leaf_modules, (list, tuple)) else leaf_modules
         self._deferred: Optional[DeferredInit] = None
         self._init_rng: Optional[torch.Tensor] = None
         kwargs.setdefault("stage", 3)
@@ -102,7 +111,7 @@ class Zero3Strategy(ZeroStrategy):
 
     def _unit_config(self) -> UnitConfig:
         return UnitConfig(self.GRANULARITY, reshard_after_forward=self.reshard_after_forward,
-                          prefetch_depth=self.prefetch_depth)
+                          prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -119,7 +128,11 @@ class Zero3Strategy(ZeroStrategy):
         if controller is None:
             return step(*args, **kwargs)
         controller.step_pre_forward()
-        out = step(*args, **kwargs)
+        try:
+            out = step(*args, **kwargs)
+        except BaseException:
+            controller.abort_pass()
+            raise
         controller.step_post_forward(out)
         return out
 
@@ -162,10 +175,11 @@ class FSDPShardStrategy(Zero3Strategy):
     KNOBS = ZERO3_KNOBS + ("wrap_classes", "min_params")
     GRANULARITY = "fsdp"
 
-    def __init__(self, wrap_classes: Any = None, min_params: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(self, wrap_classes: Any = "auto", min_params: Optional[int] = None, **kwargs: Any) -> None:
         if wrap_classes is None and min_params is None:
-            raise ValueError("fsdp_shard needs a wrap policy: wrap_classes=[YourBlock] (classes or class names, e.g. "
-                             "the transformer block) or min_params=N; or use strategy zero3 for per-module units")
+            raise ValueError("fsdp_shard needs a wrap policy: wrap_classes='auto' (default: the blocks held in "
+                             "nn.ModuleLists), wrap_classes=[YourBlock] (classes or class names) or min_params=N; or "
+                             "use strategy zero3 for per-module units")
         if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
             raise ValueError(f"min_params must be a positive integer, got {min_params!r}")
         self.wrap_classes, self.min_params = wrap_classes, min_params
