@@ -10,7 +10,10 @@ variant in a fresh Python process with N CPU ranks (gloo, 1 thread per rank):
   parameters a unit), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[<GPT block class>])``), ``fsdp2`` (torch
   FSDP2 ``fully_shard`` applied per block then to the GPT root in ``configure_model()``, run by Lightning's
   ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` on gloo), ``ddp`` (reference).
-* ``all``: both tables in one go (the ``ddp`` run of the zero12 table is reused in the zero3 table).
+* ``unused`` -> ``bench/results/unused.{json,md}``: what leaving parameters without gradients out of the step
+  costs (``find_unused_parameters=True``, the default: one all-reduce of a byte per parameter per optimizer step)
+  against ``False`` (no exchange), for zero2 and zero3, side by side in one run.
+* ``all``: every table in one go (a variant measured for an earlier table is reused in a later one).
 
 Every variant uses a launcher that starts each rank as its own fresh interpreter, so peak RSS is per rank.
 
@@ -52,10 +55,11 @@ from typing import Any, Iterable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")  # lightning_shard strategies (ShardEngine + LEDGER)
+OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask")  # ShardEngine + LEDGER
 SUITES = {
     "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
     "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
+    "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
 }
 VARIANTS = tuple(dict.fromkeys(v for vs in SUITES.values() for v in vs))
 NOTES = {
@@ -67,6 +71,8 @@ NOTES = {
     "zero3": "lightning_shard Zero3Strategy: every module with parameters is a unit",
     "fsdp_shard": "lightning_shard FSDPShardStrategy(wrap_classes=[GPT block]): one unit per block + root",
     "fsdp2": "torch FSDP2 fully_shard per block + root, Lightning ModelParallelStrategy (dp=N, tp=1, gloo)",
+    "zero2_nomask": "zero2 with find_unused_parameters=False (no used-mask all-reduce)",
+    "zero3_nomask": "zero3 with find_unused_parameters=False (no used-mask all-reduce)",
 }
 
 
@@ -450,8 +456,11 @@ def write_rank_result(args, variant, trainer, meter, counters: Counters, engine_
         wire = sum(e.wire_bytes for e in meter.entries) / n
         wire_source = "measured: lightning_shard LEDGER ring wire bytes"
         # zero0: all-reduce; zero1/2: reduce-scatter + all-gather (same total); stage 3: all-gather fwd + bwd + RS
-        formula = (3 if variant in ("zero3", "fsdp_shard") else 2) * ring * param_bytes
-        detail: dict[str, Any] = {"ledger": summary}
+        formula = (3 if variant in ("zero3", "fsdp_shard", "zero3_nomask") else 2) * ring * param_bytes
+        mask = [e for e in meter.entries if e.tag == "used_mask"]
+        detail: dict[str, Any] = {"ledger": summary, "used_mask_calls_per_step": len(mask) / n,
+                                  "used_mask_bytes_per_step": sum(e.bytes for e in mask) / n,
+                                  "used_mask_wire_bytes_per_step": sum(e.wire_bytes for e in mask) / n}
     elif variant == "fsdp2":
         units = fsdp2_units(trainer.lightning_module.model, world)
         wire = sum(ring * u["padded_bytes"] * (3 if u["reshard_after_forward"] else 2) for u in units)
@@ -536,15 +545,17 @@ def run_variant(args: argparse.Namespace) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
                                          process_group_backend="gloo", save_distributed_checkpoint=True)
         patch_fsdp2_collectives(counters)
-    elif variant == "zero3":
-        strategy = Zero3Strategy(accumulation="auto")
+    elif variant in ("zero3", "zero3_nomask"):
+        strategy = Zero3Strategy(accumulation="auto", find_unused_parameters=variant == "zero3")
         patch_engine_timers(engine_timers)
     elif variant == "fsdp_shard":
         strategy = FSDPShardStrategy(wrap_classes=[type(module.model.layers[0])], accumulation="auto")
         patch_engine_timers(engine_timers)
     else:
-        cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy}[variant]
-        strategy = cls(bucket_mb=args.bucket_mb, accumulation="defer")
+        cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
+               "zero2_nomask": Zero2Strategy}[variant]
+        strategy = cls(bucket_mb=args.bucket_mb, accumulation="defer",
+                       find_unused_parameters=variant != "zero2_nomask")
         patch_engine_timers(engine_timers)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.warmup + args.steps,
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -851,7 +862,31 @@ def markdown_zero3(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-MARKDOWN = {"zero12": markdown_zero12, "zero3": markdown_zero3}
+def markdown_unused(doc: dict[str, Any]) -> str:
+    res = doc["results"]
+    lines = _header(doc, "The cost of leaving parameters without gradients out of the step (find_unused_parameters)") + [
+        "| variant | find_unused_parameters | tokens/s (rank mean) | median step s | used-mask all-reduces/step | "
+        "used-mask bytes/step | wire MiB/step/rank | tok/s vs the same stage with True |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for v, r in res.items():
+        if "error" in r:
+            lines.append(f"| {v} | | failed | | | | | {r['error']} |")
+            continue
+        base = res.get(v.replace("_nomask", ""), {})
+        ratio = r["tokens_per_s_mean"] / base["tokens_per_s_mean"] if base.get("tokens_per_s_mean") else None
+        d = r["wire_detail_rank0"]
+        reps = "/".join(f"{x['tokens_per_s_mean']:.0f}" for x in r.get("repeats", []))
+        lines.append(f"| {v} | {'False' if v.endswith('_nomask') else 'True (default)'} | "
+                     f"{r['tokens_per_s_mean']:.0f} ({reps}) | {r['median_step_s_per_rank'][0]:.3f} | "
+                     f"{d.get('used_mask_calls_per_step', 0):.0f} | {d.get('used_mask_bytes_per_step', 0):.0f} | "
+                     f"{r['wire_mib_per_step_per_rank']:.3f} | {f'{ratio:.3f}' if ratio else '-'} |")
+    lines += ["", "Used-mask bytes: one uint8 per parameter tensor, all-reduced (max) once per optimizer step. Tokens/s",
+              "differences at the level of the run-to-run spread are noise (several repeats, order alternated).", ""]
+    return "\n".join(lines) + "\n"
+
+
+MARKDOWN = {"zero12": markdown_zero12, "zero3": markdown_zero3, "unused": markdown_unused}
 
 
 # ============================================================================================ CLI

@@ -92,3 +92,37 @@ def save_then_crash(path: str, crash_rank: int) -> str:
     trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, 2, C.get_rank())))
     trainer.save_checkpoint(path)
     return "saved"
+
+
+def state_dict_seen_by_callbacks(kind: str, path: str) -> dict[str, Any]:
+    """What a callback reading ``strategy.lightning_module_state_dict()`` at the end of an epoch gets, and what
+    an ``on_save_checkpoint`` hook reading ``checkpoint["state_dict"]`` gets during a sharded save."""
+    seen: dict[str, Any] = {}
+
+    class Averager(L.Callback):
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            sd = trainer.strategy.lightning_module_state_dict()
+            full = trainer.strategy.full_state_dict()
+            seen["keys"] = sorted(sd)
+            seen["module_keys"] = sorted(module.state_dict())
+            seen["equal"] = all(torch.equal(sd[k], full[k]) and sd[k].shape == full[k].shape for k in full)
+            opt = trainer.strategy.optimizer_state(trainer.optimizers[0])
+            seen["optimizer_steps"] = len(opt["state"])
+            trainer.save_checkpoint(path)  # during training: the engine holds the shards (stage 3 too)
+
+    class Reads(ZooModule):
+        def on_save_checkpoint(self, checkpoint: dict) -> None:
+            try:
+                list(checkpoint["state_dict"].keys())
+                seen["hook_error"] = "no error"
+            except RuntimeError as err:
+                seen["hook_error"] = str(err)
+
+    world, rank = C.get_world_size(), C.get_rank()
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=make(kind), max_steps=3, logger=False,
+                        accumulate_grad_batches=2, use_distributed_sampler=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Averager()], enable_checkpointing=False)
+    data = dataset(3, 2, world)
+    trainer.fit(Reads("sgd", unused=False), DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, world, rank)))
+    return seen

@@ -1,9 +1,12 @@
 """A 2-rank training job for the failure tests, launched by Lightning's default (popen) launcher.
 
-    python tests/failure_job.py MODE DIR     MODE: straight | kill | sleep | resume
+    python tests/failure_job.py MODE DIR     MODE: straight | kill | sleep | resume | diverge
 
-kill: rank 1 SIGKILLs itself at step 5; sleep: rank 1 stalls for 300 s at step 3 (collective timeout 10 s);
-resume: continues from ckpt_path="last". Rank 0 writes DIR/final.pt (full weights) when training completes.
+kill: rank 1 SIGKILLs itself at step 5; sleep: rank 1 stalls for 300 s at step 3 (collective timeout 10 s, the
+start-up timeout stays at its generous default, so a loaded machine's slow imports are not a failure);
+resume: continues from ckpt_path="last"; diverge (zero3): from step 3 on, rank 1 alone runs the first Linear
+twice per step, a gather the schedule agreed in the first step does not have. Rank 0 writes DIR/final.pt (full
+weights) when training completes.
 """
 
 import os
@@ -19,7 +22,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_shard.strategies import Zero2Strategy  # noqa: E402
+from lightning_shard.strategies import Zero2Strategy, Zero3Strategy  # noqa: E402
 
 
 class Net(L.LightningModule):
@@ -30,7 +33,10 @@ class Net(L.LightningModule):
 
     def training_step(self, batch, i):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if getattr(self, "diverge", False) and self.trainer.global_rank == 1 and self.trainer.global_step >= 3:
+            out = out + 0.0 * self.net[0](x).sum()  # data-dependent extra call, on one rank only
+        return nn.functional.mse_loss(out, y)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -41,6 +47,7 @@ class Trouble(L.Callback):
         self.mode = mode
 
     def on_train_batch_start(self, trainer, *args):
+        print(f"RANK{trainer.global_rank} STEP {trainer.global_step}", flush=True)  # training has started
         if trainer.global_rank != 1:
             return
         if self.mode == "kill" and trainer.global_step == 5:
@@ -55,10 +62,12 @@ def main(mode, out):
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g))  # 2 steps per epoch
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Zero2Strategy(timeout_s=10), max_steps=8,
+    strategy = Zero3Strategy(timeout_s=10) if mode == "diverge" else Zero2Strategy(timeout_s=10)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[ckpt, Trouble(mode)])
     module = Net()
+    module.diverge = mode == "diverge"
     trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path="last" if mode == "resume" else None)
     state = trainer.strategy.full_state_dict()
     if trainer.global_rank == 0:

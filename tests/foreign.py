@@ -295,20 +295,49 @@ def dataset(name: str, steps: int, acc: int, world: int) -> TensorDataset:
     return TensorDataset(x[:, :-1].contiguous(), x[:, 1:].contiguous())
 
 
-def reference_state(name: str, steps: int, acc: int, world: int, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
-    """One process, plain Lightning, the same global batch per optimizer step: ``model.state_dict()`` after fit."""
+def reference_state(name: str, steps: int, acc: int, world: int, optimizer: str = "sgd",
+                    with_optimizer: bool = False) -> Any:
+    """One process, plain Lightning, the same global batch per optimizer step: ``model.state_dict()`` after fit
+    (and torch's ``optimizer.state_dict()`` with ``with_optimizer``)."""
     module = ForeignModule(name, optimizer)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=acc * world,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module, DataLoader(dataset(name, steps, acc, world), batch_size=MICRO, shuffle=False))
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return (state, trainer.optimizers[0].state_dict()) if with_optimizer else state
+
+
+class ModuleCalls(L.Callback):
+    """Names of the modules matching ``pattern`` whose forward ran, per micro-batch (its index in the fit), on
+    this rank."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern, self.ran, self._handles, self._batch = pattern, {}, [], -1
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._batch += 1
+        self.ran[self._batch] = set()
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        import re
+
+        for n, m in module.named_modules():
+            if re.fullmatch(self.pattern, n):
+                self._handles.append(m.register_forward_pre_hook(lambda mod, args, n=n: self.ran[self._batch].add(n)))
+
+    def on_train_end(self, *args: Any) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str = "sgd",
-                strategy_kwargs: Optional[dict] = None) -> dict[str, Any]:
+                strategy_kwargs: Optional[dict] = None, count_calls: Optional[str] = None,
+                with_optimizer: bool = False) -> dict[str, Any]:
     """Inside a World rank: ``Trainer(strategy=<registry name>)`` with default knobs (or the class with
-    ``strategy_kwargs``); returns rank 0's ``model.state_dict()`` after fit, or the error it raised."""
+    ``strategy_kwargs``); returns rank 0's ``model.state_dict()`` after fit. ``count_calls``: a regex of module
+    names whose forward calls are recorded per step (on every rank); ``with_optimizer``: also the optimizer state
+    in torch's per-parameter format (``trainer.strategy.optimizer_state``, collective)."""
     from lightning_shard.core import collectives as C
 
     world, rank = C.get_world_size(), C.get_rank()
@@ -319,14 +348,18 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
 
         entry = StrategyRegistry[strategy]
         strategy = entry["strategy"](**dict(entry["init_params"], **strategy_kwargs))
+    calls = ModuleCalls(count_calls) if count_calls else None
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                         accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[calls] if calls else None)
     data = dataset(name, steps, acc, world)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
     trainer.fit(module, loader)
+    opt_state = trainer.strategy.optimizer_state(trainer.optimizers[0]) if with_optimizer else None
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None,
-            "policy": getattr(trainer.strategy, "accumulation_policy", None)}
+            "policy": getattr(trainer.strategy, "accumulation_policy", None),
+            "calls": calls.ran if calls else None, "optimizer": opt_state if rank == 0 else None}
 
 
 def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

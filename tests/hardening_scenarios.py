@@ -56,12 +56,16 @@ def desync_wrap_policy() -> str:
 
 
 def rogue_collective() -> str:
-    """debug_collectives: rank 1's ledger shows a collective rank 0 never issued."""
+    """debug_collectives on a real desync the backend does not notice: at step 1 rank 0 reduces a float32 metric
+    and rank 1 an int32 one of the same byte size (gloo pairs the bytes and sums garbage, silently)."""
 
     class Rogue(_Widths):
-        def on_train_batch_end(self, *args):
-            if C.get_rank() == 1 and self.trainer.global_step == 1:
-                C.LEDGER.record("all_reduce", None, torch.zeros(3), "rogue")
+        def training_step(self, batch, i):
+            loss = super().training_step(batch, i)
+            if self.trainer.global_step == 1:
+                value = torch.ones(3) if C.get_rank() == 0 else torch.ones(3, dtype=torch.int32)
+                self.trainer.strategy.reduce(value, reduce_op="sum")
+            return loss
 
     try:
         _trainer(ZeroStrategy(stage=1, debug_collectives=True), 4).fit(

@@ -58,21 +58,23 @@ class ResumePoint(L.Callback):
         self.steps_taken += 1
 
 
-def make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: bool, **extra: Any):
+def make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: Optional[bool], **extra: Any):
+    """``find_unused=None``: the strategy's default (what a user gets without the knob)."""
+    if find_unused is not None:
+        extra["find_unused_parameters"] = find_unused
     if stage == "auto":
         from lightning_shard.strategies import AutoStrategy
 
-        return AutoStrategy(find_unused_parameters=find_unused, **extra)
+        return AutoStrategy(**extra)
     if stage < 3:
-        return ZeroStrategy(stage=stage, accumulation=accumulation, bucket_mb=bucket_mb,
-                            find_unused_parameters=find_unused, **extra)
+        return ZeroStrategy(stage=stage, accumulation=accumulation, bucket_mb=bucket_mb, **extra)
     cls = FSDPShardStrategy if "wrap_classes" in extra or "min_params" in extra else Zero3Strategy
-    return cls(accumulation=accumulation, find_unused_parameters=find_unused, **extra)
+    return cls(accumulation=accumulation, **extra)
 
 
 def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimizer: str = "sgd",
              clip: Optional[float] = None, precision: str = "32-true", manual: bool = False,
-             bucket_mb: float = SMALL_BUCKETS, bn: bool = True, find_unused: bool = True,
+             bucket_mb: float = SMALL_BUCKETS, bn: bool = True, find_unused: Optional[bool] = None,
              save_to: Optional[str] = None, resume_from: Optional[str] = None, unused: bool = True,
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
              strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
@@ -136,3 +138,18 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
     }
 
 
+
+
+def fit_lightning_ddp(acc: int, steps: int = STEPS, model: str = "zoo") -> dict[str, Any]:
+    """The peer: Lightning's own DDPStrategy on the same ranks and data; the module's state_dict on each rank."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    world, rank = C.get_world_size(), C.get_rank()
+    L.seed_everything(0, verbose=False)
+    module = make_module(model)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(find_unused_parameters=True),
+                        max_steps=steps, accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = dataset(steps, acc, world, model)
+    trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)))
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}}

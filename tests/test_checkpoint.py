@@ -147,6 +147,83 @@ def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert lightning_checkpoint(Reader(good))["global_step"] == 3
 
 
+def test_crash_while_overwriting_last_resumes_from_the_previous_one(tmp_path):
+    """``last.ckpt`` is overwritten at every save. A rank dying while the new version is written leaves the
+    previous version in place (never a moment without ``last.ckpt``), and ``ckpt_path="last"`` resumes from it:
+    at step 3, not from scratch."""
+    w = World(2)
+    try:
+        w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path))
+        before = json.loads((tmp_path / "last.ckpt" / "meta.json").read_text())
+        with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
+            w.run(save_then_crash, str(tmp_path / "last.ckpt"), 1)
+    finally:
+        w.close(force=True)
+    assert json.loads((tmp_path / "last.ckpt" / "meta.json").read_text()) == before  # still the old version
+    assert lightning_checkpoint(Reader(tmp_path / "last.ckpt"))["global_step"] == 3
+    half_written = [p for p in (tmp_path / "last.ckpt").iterdir() if p.name.startswith("data-")
+                    and p.name != before["data"]]
+    assert half_written  # the crashed version's folder, never referenced
+    w = World(2)
+    try:
+        runs = w.run(fit_ckpt, "zero2", 6, ckpt_dir=str(tmp_path), resume_from="last")
+    finally:
+        w.close()
+    assert all(r["first"] == (3, 1, 0) and r["steps_taken"] == 3 for r in runs), [r["first"] for r in runs]
+    assert not any(p.name in {q.name for q in half_written} for p in (tmp_path / "last.ckpt").iterdir())
+
+
+def test_commit_is_atomic_at_every_step(tmp_path, monkeypatch):
+    """The commit of an overwrite, interrupted at each of its steps: the folder always reads as one complete
+    version, the old one until the index is swapped, the new one after."""
+    import os as _os
+
+    from lightning_shard.core import checkpoint as ck
+
+    def version(tag: str) -> Path:
+        data, root = ck.data_dir_for(tmp_path / "x.ckpt", tag)
+        data.mkdir(parents=True)
+        ck.write_rank_file(data, 0, {"param/w": torch.full((3,), float(len(tag)))})
+        ck.write_trainer_state(data, {"global_step": len(tag)})
+        meta = {"index": {"param/w": [[0, 0, 3]]}, "shapes": {"w": [3]}, "optimizers": [], "world_size": 1}
+        return data, root, meta
+
+    data, root, meta = version("a")
+    assert root.name.startswith("x.ckpt.tmp-")  # a new checkpoint is built aside, then renamed into place
+    ck.commit(root, tmp_path / "x.ckpt", meta, data.name)
+    assert Reader(tmp_path / "x.ckpt").trainer_state()["global_step"] == 1
+    data, root, meta = version("bb")
+    assert root == tmp_path / "x.ckpt"  # an overwrite writes inside the committed folder
+    real = _os.replace
+    monkeypatch.setattr(ck.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("power cut")))
+    with pytest.raises(OSError, match="power cut"):
+        ck.commit(root, tmp_path / "x.ckpt", meta, data.name)
+    assert Reader(tmp_path / "x.ckpt").trainer_state()["global_step"] == 1  # crash before the swap: old version
+    monkeypatch.setattr(ck.os, "replace", real)
+    monkeypatch.setattr(ck, "remove_stale_versions", lambda p: (_ for _ in ()).throw(OSError("power cut")))
+    with pytest.raises(OSError, match="power cut"):
+        ck.commit(root, tmp_path / "x.ckpt", meta, data.name)
+    r = Reader(tmp_path / "x.ckpt")  # crash after the swap: the new version, the old folder still there
+    assert r.trainer_state()["global_step"] == 2 and torch.equal(r.read("param/w"), torch.full((3,), 2.0))
+    monkeypatch.undo()
+    ck.remove_stale_versions(tmp_path / "x.ckpt")  # what the next save does
+    assert sorted(p.name for p in (tmp_path / "x.ckpt").iterdir()) == ["data-bb", "meta.json"]
+
+
+def test_state_dict_for_callbacks_is_full_and_sharded_saves_refuse_silent_reads(worlds, tmp_path):
+    """``trainer.strategy.lightning_module_state_dict()`` (what weight-averaging and export callbacks read) is
+    the full model state, for every strategy; Lightning's own sharded save gets a placeholder that raises when a
+    hook reads it, instead of an empty dict."""
+    from tests.ckpt_scenarios import state_dict_seen_by_callbacks
+
+    for kind in ("zero2", "zero3"):
+        res = worlds(2).run(state_dict_seen_by_callbacks, kind, str(tmp_path / kind))
+        for r in res:
+            assert r["keys"] == r["module_keys"] and r["equal"], (kind, r["keys"][:3])
+            assert "state_dict_type='sharded'" in r["hook_error"] and "full_state_dict()" in r["hook_error"]
+            assert r["optimizer_steps"] > 0  # the gathered optimizer state has real per-parameter entries
+
+
 def test_bad_checkpoints_are_named(worlds, tmp_path):
     worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "c"))
     src = tmp_path / "c" / "epoch=0-step=3.ckpt"

@@ -33,16 +33,20 @@ def reference(acc: int, world: int, model: str = "zoo", clip: Optional[float] = 
     return reference_fit(5, acc, world, model=model, clip=clip, optimizer=optimizer)
 
 
+@pytest.mark.parametrize("acc", [1, 3])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", list(FLAVOURS))
-def test_parity_zoo(worlds, world, policy, name):
+def test_parity_zoo(worlds, world, policy, name, acc):
     """Zoo model: uneven sizes, tied embedding/head, frozen module, a module unused on odd steps, BatchNorm."""
-    results = worlds(world).run(fit_zero, 3, policy, 3, strategy_kwargs=flavour(name))
-    ref, _ = reference(3, world)
+    results = worlds(world).run(fit_zero, 3, policy, acc, strategy_kwargs=flavour(name))
+    ref, _ = reference(acc, world)
     for rank, r in enumerate(results):
         diff = max_diff(params_of(r["state"]), params_of(ref))
         assert diff <= TOL, f"rank {rank}: {diff:.3e}"
+
+
+CLIP = 0.3  # unclipped norms (5 steps): 0.40-0.59 at world 2, 0.23-0.43 at world 4 (0.5 never clipped there)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -50,8 +54,9 @@ def test_parity_zoo(worlds, world, policy, name):
 @pytest.mark.parametrize("name", list(FLAVOURS))
 def test_parity_transformer_blocks_as_units(worlds, world, policy, name):
     results = worlds(world).run(fit_zero, 3, policy, 3, model="tiny_lm", strategy_kwargs=flavour(name, "tiny_lm"),
-                                clip=0.5)
-    ref, ref_norms = reference(3, world, model="tiny_lm", clip=0.5)
+                                clip=CLIP)
+    ref, ref_norms = reference(3, world, model="tiny_lm", clip=CLIP)
+    assert sum(n > CLIP for n in ref_norms) >= 3, ref_norms  # clipping really acts, at both world sizes
     for r in results:
         assert max_diff(params_of(r["state"]), params_of(ref)) <= TOL
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)  # clipping by the global norm across shards
@@ -70,7 +75,9 @@ def test_collective_counts(worlds, name, policy):
     keep_params: one gather per buffer per step. Reduce-scatters: every micro-batch for per_micro_batch,
     else only at the boundary. (A unit has one flat buffer per param group and dtype.)"""
     acc = 3
-    res = worlds(2).run(fit_zero, 3, policy, acc, model="tiny_lm", strategy_kwargs=flavour(name, "tiny_lm"))[0]
+    both = worlds(2).run(fit_zero, 3, policy, acc, model="tiny_lm", strategy_kwargs=flavour(name, "tiny_lm"))
+    assert both[0]["per_batch"] == both[1]["per_batch"]  # every rank issues the same collectives, in order
+    res = both[0]
     buffers = sum(res["unit_buckets"])
     trainable = sum(res["bucket_trainable"])
     reshard = FLAVOURS[name].get("reshard_after_forward", True)

@@ -27,6 +27,7 @@ class ZeroStrategyConf:
     start_method: str = "popen"
     process_group_backend: Optional[str] = None
     timeout_s: float = 1800.0
+    startup_timeout_s: float = 1800.0
     allow_custom_optimizer: bool = False
     find_unused_parameters: bool = True
     shard_size: Any = None  # None | positive int | "auto"

@@ -46,14 +46,19 @@ __all__ = [
     "is_initialized",
     "new_group",
     "reduce_scatter",
+    "set_timeout",
     "wait",
 ]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # dist.ReduceOp.AVG exists only for NCCL; we divide explicitly instead.
 
-_rs_impl = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ag_impl = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _rs_impl(*args: Any, **kwargs: Any) -> Any:  # looked up at each call (tests wrap torch.distributed's functions)
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def _ag_impl(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -235,14 +240,29 @@ def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) 
 _duplicates: dict[tuple, Any] = {}
 
 
-def duplicate_group(ranks: Optional[list[int]], name: str) -> Any:
+def duplicate_group(ranks: Optional[list[int]], name: str, timeout: Optional[timedelta] = None) -> Any:
     """A process group over ``ranks`` (None: every rank) besides the one that may already exist (collective over
     the world: every rank calls it for every such group, in the same order), cached so that repeated fits in one
     process reuse it. Collectives on it are ordered independently of those on the other group."""
-    key = (tuple(range(get_world_size())) if ranks is None else tuple(ranks), name)
+    key = (tuple(range(get_world_size())) if ranks is None else tuple(ranks), name, timeout)
     if key not in _duplicates:
-        _duplicates[key] = new_group(list(key[0]), name)
+        _duplicates[key] = new_group(list(key[0]), name, timeout)
     return _duplicates[key]
+
+
+def set_timeout(timeout: timedelta, group: Any = None) -> None:
+    """The collective timeout of an existing group (the default one: created with the start-up timeout, which
+    bounds the rendezvous). Uses torch's ``_set_pg_timeout``; where a torch lacks it, the start-up timeout stays."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None or not is_initialized():
+        return
+    try:
+        setter(timeout, group)
+    except (RuntimeError, ValueError, AssertionError) as err:  # a backend that cannot change it
+        import warnings
+
+        warnings.warn(f"could not set the collective timeout to {timeout} ({err}); collectives keep the "
+                      "start-up timeout", stacklevel=2)
 
 
 def wait(work: Any, what: str) -> None:

@@ -124,7 +124,7 @@ class ShardEngine:
             # parameter gathers get a process group of their own: ranks that run different modules issue them
             # at different times relative to the gradient reductions (plain sharding: a copy of the world
             # group; hybrid layouts pass a copy of each shard group)
-            if gather_group is None and group is None:
+            if gather_group is None and group is None and C.get_world_size() > 1:
                 gather_group = C.duplicate_group(None, "gather")
             self.gather_group = gather_group if gather_group is not None else group
             self.buckets, self.units = self._build_unit_buckets(specs, owner)
@@ -173,7 +173,7 @@ class ShardEngine:
 
     def check_collective_sequence(self) -> None:
         """Debug (``debug_collectives=True``): all ranks issued the same collectives since the last check."""
-        mine = [(e.op, e.group, e.bytes, e.tag) for e in C.LEDGER.since(self._ledger_mark)]
+        mine = [(e.op, e.group, e.bytes, e.dtype, e.tag) for e in C.LEDGER.since(self._ledger_mark)]
         self._agree("sequence of collectives since the last optimizer step", mine,
                     "code paths that communicate on some ranks only (data-dependent branches, rank-specific logging)")
         self._ledger_mark = C.LEDGER.mark()

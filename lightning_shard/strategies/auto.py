@@ -70,7 +70,8 @@ class AutoStrategy(Zero3Strategy):
         shard = kw.pop("shard_size", None)
         if shard:
             self.shard_size = shard
-            self._groups = make_groups(shard, topology, self.world_size, self.num_nodes, self.global_rank, self.stage)
+            self._groups = make_groups(shard, topology, self.world_size, self.num_nodes, self.global_rank, self.stage,
+                                       self._timeout)
         rank_zero_info(f"lightning_shard strategy=auto chose {name} ({rec.reason})")
         for row in rec.table:
             rank_zero_info("  " + ", ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -48,11 +49,11 @@ def validate_shard_size(shard_size: Union[None, int, str]) -> None:
 
 
 def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology], world: int, num_nodes: int,
-                rank: int, stage: int = 2) -> Groups:
+                rank: int, stage: int = 2, timeout: Optional[timedelta] = None) -> Groups:
     """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to; at
-    stage 3 also a copy of each shard group for parameter all-gathers."""
+    stage 3 also a copy of each shard group for parameter all-gathers. ``timeout``: their collective timeout."""
     if shard_size is None:
-        return Groups()
+        return Groups(gather=C.duplicate_group(None, "gather", timeout) if stage == 3 and world > 1 else None)
     if shard_size == "auto":
         if topology is None:
             raise ValueError("shard_size='auto' takes the island size from a topology: pass topology=<preset name, "
@@ -70,12 +71,12 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
                          "drop shard_size (or use a shard_size smaller than the world size)")
     mine = Groups(axes={"replicate": len(shard_groups), "shard": len(shard_groups[0])})
     for ranks in shard_groups:  # every rank creates every group, in the same order
-        g = C.new_group(list(ranks), "shard")
-        gather = C.duplicate_group(list(ranks), "gather") if stage == 3 else None
+        g = C.new_group(list(ranks), "shard", timeout)
+        gather = C.duplicate_group(list(ranks), "gather", timeout) if stage == 3 else None
         if rank in ranks:
             mine.shard, mine.gather = g, gather
     for ranks in replicate_groups:
-        g = C.new_group(list(ranks), "replicate")
+        g = C.new_group(list(ranks), "replicate", timeout)
         if rank in ranks:
             mine.replicate = g
     return mine

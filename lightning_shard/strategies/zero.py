@@ -15,7 +15,10 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``overlap``       launch bucket reductions from gradient hooks during backward (default True).
 ``broadcast_buffers``  broadcast buffers (BatchNorm statistics) from rank 0 after every optimizer step.
 ``start_method``  ``"popen"`` (default, re-runs the script per rank like DDP), ``"fork"``, ``"spawn"``.
-``timeout_s``     collective timeout in seconds (default 1800).
+``timeout_s``     collective timeout in seconds (default 1800): a rank that died or stalled ends the job with an
+                  error naming the collective instead of a hang.
+``startup_timeout_s``  how long the ranks may take to find each other at start-up (default 1800): slow imports on
+                  a loaded machine or ranks started minutes apart by a scheduler are not a collective timeout.
 ``allow_custom_optimizer``  accept optimizers not known to be element-wise (see ``core/optim.py``).
 ``shard_size``    hybrid sharding: ``None`` (default) shards over every rank; an integer S shards inside groups of S
                   consecutive ranks and replicates across groups (gradients: reduce-scatter inside the group, one
@@ -67,7 +70,7 @@ from .precision import ShardedPrecision
 log = logging.getLogger(__name__)
 
 BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
-         "process_group_backend", "timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
+         "process_group_backend", "timeout_s", "startup_timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
          "state_dict_type", "skip_nonfinite", "debug_collectives",
          "overlap_param_gather", "shard_size",
          "topology", "strict_placement", "accelerator", "parallel_devices",
@@ -87,7 +90,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     def __init__(self, stage: int = 2, accumulation: str = "auto", bucket_mb: float = 25.0,
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
-                 timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
+                 timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
                  find_unused_parameters: bool = True, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
                  skip_nonfinite: Optional[bool] = None, debug_collectives: bool = False,
                  overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
@@ -113,8 +116,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        for knob, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{knob} must be a positive number of seconds, got {value!r}")
         parse_reduce_dtype(reduce_dtype)
         validate_shard_size(shard_size)
         if shard_size is not None and stage == 0:
@@ -143,6 +147,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self.placement_warning: Optional[str] = None
         self._start_method, self._process_group_backend = start_method, process_group_backend
         self._timeout = timedelta(seconds=timeout_s)
+        self._startup_timeout = timedelta(seconds=startup_timeout_s)
         self._num_nodes = 1
         self.engine: Optional[ShardEngine] = None
         self.accumulation_policy: Optional[str] = None
@@ -215,13 +220,14 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 )
         else:
             backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            kwargs: dict[str, Any] = {"timeout": self._startup_timeout}  # the rendezvous; collectives below
             if self.root_device.type == "cuda":
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
         topology = resolve_topology(self.topology_spec, self.num_processes)
         self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
-                                   self.stage)
+                                   self.stage, self._timeout)
         shard = self._groups.axes["shard"] if self._groups.axes else None
         warning = check_job_placement(topology, self.num_processes, self.stage, shard, self.strict_placement)
         self.placement_warning = warning
