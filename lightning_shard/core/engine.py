@@ -359,6 +359,8 @@ class ShardEngine:
             self.controller.begin_backward()
 
     def post_backward(self) -> None:
+        if self.controller is not None:
+            self.controller.close_backward_schedule()
         if not self._comm_this_backward:
             for b in self._comm_buckets:
                 b.set_state(GradState.ACCUMULATING)

@@ -552,14 +552,18 @@ class ParamShardController:
         if unit.input_waits == 0 and all(u.pending == 0 for u in unit.group):
             self._free(unit)
 
-    def end_backward(self) -> None:
-        for k in range(self._bcur, len(self.bwd_order)):  # never reached here: the other ranks may need them
+    def close_backward_schedule(self) -> None:
+        """Autograd is done: gather what the backward schedule has left (other ranks may have needed it), with
+        zero gradients here, before the engine launches its last reductions."""
+        for k in range(self._bcur, len(self.bwd_order)):
             u = self.units[self.bwd_order[k]]
             self._issue(u, "participate")
             if not u.backward_prepared:
                 self._idle.append(u)
         self._bcur = len(self.bwd_order)
         self._settle_idle()
+
+    def end_backward(self) -> None:
         if self._discover_backward:  # the first backward: units outside the schedule that needed one join it
             self._discover_backward = False
             extra = sorted(self._backward_extra)
