@@ -154,6 +154,48 @@ class _Routed(nn.Module):
         return self.head(h + out).reshape(x.shape[0], x.shape[1], VOCAB)
 
 
+class _AdapterBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.base = nn.Linear(D, D)
+        self.down = nn.Linear(D, 2, bias=False)  # trainable low-rank adapter around a frozen base
+        self.up = nn.Linear(2, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + torch.tanh(self.base(h) + self.up(self.down(h)))
+
+
+class _Adapters(nn.Module):
+    """The issue's 30-line LoRA: per block a frozen LayerNorm, a frozen Linear and a trainable low-rank adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(_AdapterBlock() for _ in range(3))
+        self.head = nn.Linear(D, VOCAB)
+        for p in [*self.emb.parameters(), *self.head.parameters()]:
+            p.requires_grad_(False)
+        for b in self.blocks:
+            b.norm.requires_grad_(False)
+            b.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * SEQ)
+    return LlamaForCausalLM(cfg)  # RoPE, grouped-query attention, RMSNorm, untied head
+
+
 def _hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -248,6 +290,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, str]] = {
     "hf_gpt2": (_hf_gpt2, _hf_causal, "Hugging Face GPT-2, tied embedding and head"),
     "hf_gpt2_lora": (_hf_gpt2_lora, _hf_causal, "GPT-2 + peft LoRA on c_attn: frozen base inside every unit"),
     "hf_bert": (_hf_bert, _hf_bert_loss, "Hugging Face BERT: the pooler never gets a gradient"),
+    "hf_llama": (_hf_llama, _hf_causal, "Hugging Face Llama: RoPE, grouped-query attention, RMSNorm"),
+    "adapters": (_Adapters, _plain, "frozen LayerNorm + frozen Linear + trainable low-rank adapter per block"),
     "hf_switch": (_hf_switch, _hf_seq2seq, "Switch Transformers: one module per expert, run only if routed to"),
     "hf_mixtral": (_hf_mixtral, _hf_causal, "Mixtral: stacked expert weights, partly used per step"),
     "litgpt": (_litgpt, _plain, "litgpt's GPT"),

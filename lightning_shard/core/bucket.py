@@ -4,9 +4,9 @@ The parameters become views into ``flat_param``; their gradients become views in
 autograd accumulates straight into the buffer that is reduced. ``shard_param`` is the rank's owned elements:
 the fp32 master copy when parameters are in half precision, otherwise a view onto ``flat_param`` itself.
 
-The optimizer sees ``chunks``: views of ``shard_param``, one per parameter piece this rank owns (split further
-at ``chunk_numel``), so each parameter keeps its own optimizer state and step count, and a parameter that got
-no gradient in a window is left out of the step (``grad=None``), exactly as torch does.
+The optimizer sees ``chunks``: views of ``shard_param`` (:mod:`.chunks`), split at parameter boundaries where
+parameters are treated differently, so that a parameter that got no gradient in a window is left out of the
+step (``grad=None``) with its own state and step count, exactly as torch does.
 """
 
 from __future__ import annotations
@@ -17,8 +17,21 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .chunks import OptimizerChunks
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
 from .state import GradState, ParamState, param_transition, transition
+
+
+class Gauge:
+    """Bytes of full (gathered) stage-3 parameters alive now, and the most ever: kept by the buckets as they
+    allocate and free, so that reading it costs nothing."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
 
 
 class Bucket:
@@ -35,6 +48,7 @@ class Bucket:
         self.device = params[0].device
         self.itemsize = params[0].element_size()
         self.unit: Any = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
+        self.gauge = Gauge()  # stage 3: the controller hands every bucket the same one
         # stage 0 keeps a single "shard": the whole buffer; stages 1/2 split it across the group
         self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)],
                                                1 if stage == 0 else world)
@@ -75,23 +89,14 @@ class Bucket:
             self.shard_param = nn.Parameter(self.master)
         else:
             self.shard_param = nn.Parameter(own, requires_grad=self.trainable)  # shares storage
-        # The optimizer sees the shard in chunks (views), one or more per owned parameter piece: every
-        # parameter keeps its own state (Adam's step count) and can be left out of a step; on CPU an update
-        # over a few MiB at a time stays in cache (3x faster AdamW than one 50 MB tensor, measured).
-        step = max(1, chunk_numel)
+        # The optimizer sees the shard in chunks (views): on CPU an update over a few MiB at a time stays in
+        # cache (3x faster AdamW than one 50 MB tensor, measured); split per parameter only where needed
         self.slot_ranges: dict[int, tuple[int, int]] = {}  # slot -> owned coordinates of its piece here
-        self.chunk_ranges: list[tuple[int, int]] = []
-        self.chunk_slots: list[int] = []
         for i, slot in enumerate(self.layout.slots):
             a, e = max(slot.offset, self.own_lo) - self.own_lo, min(slot.end, self.own_hi) - self.own_lo
-            if a >= e:
-                continue
-            self.slot_ranges[i] = (a, e)
-            for lo in range(a, e, step):
-                self.chunk_ranges.append((lo, min(lo + step, e)))
-                self.chunk_slots.append(i)
-        self.chunks = [nn.Parameter(self.shard_param.data[i:j], requires_grad=self.trainable)
-                       for i, j in self.chunk_ranges]
+            if a < e:
+                self.slot_ranges[i] = (a, e)
+        self.optimizer_view = OptimizerChunks(self.shard_param, self.slot_ranges, chunk_numel, self.trainable)
         self.grad_buf: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
@@ -117,6 +122,7 @@ class Bucket:
             return
         self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
         self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self.gauge.add(self.layout.padded_numel * self.itemsize)
         self._gather_work = C.all_gather(self.flat_param, self.shard, group=self.gather_group, async_op=async_op,
                                          tag=f"unshard_bucket{self.index}")
 
@@ -145,10 +151,13 @@ class Bucket:
             p.data = empty
             p.grad = None
         self.flat_param = None
+        self.gauge.add(-self.layout.padded_numel * self.itemsize)
         self.param_state = param_transition(self.param_state, ParamState.SHARDED, f"bucket {self.index}")
 
     def detach_full(self) -> None:
         """Leave the gathered parameters with the module for good (the engine is being torn down)."""
+        if self.flat_param is not None:
+            self.gauge.add(-self.layout.padded_numel * self.itemsize)
         self.param_state = ParamState.SHARDED
         self.flat_param = None
         self.shard = None
@@ -235,17 +244,18 @@ class Bucket:
             mine = mine.to(self.shard_param.dtype)
         mine.div_(self.total_world)
         self.shard_param.grad = mine
-        for c, (i, j) in zip(self.chunks, self.chunk_ranges):
-            c.grad = mine[i:j]
+        self.optimizer_view.set_grads(mine)
         self.set_state(GradState.REDUCED)
 
-    def leave_out(self, unused: list[int]) -> None:
+    @property
+    def chunks(self) -> list[nn.Parameter]:
+        return self.optimizer_view.chunks
+
+    def leave_out(self, unused: list[int], opt_state: dict) -> bool:
         """Parameters (slot indices) that got no gradient on any rank in this window are left out of the step
-        (``grad=None``), as torch leaves a parameter with no gradient: no momentum, no weight decay, no Adam step."""
-        skip = set(unused)
-        for c, slot in zip(self.chunks, self.chunk_slots):
-            if slot in skip:
-                c.grad = None
+        (``grad=None``), as torch leaves a parameter with no gradient: no momentum, no weight decay, no Adam
+        step. True when chunks were split (the optimizer's param groups must be rebound)."""
+        return self.optimizer_view.leave_out(set(unused), opt_state)
 
     def wait_param_gather(self) -> None:
         work, self._param_work = self._param_work, None
@@ -268,46 +278,18 @@ class Bucket:
                                         group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
         return self._param_work
 
-    # ------------------------------------------------------------------ optimizer state over the chunks
+    # ------------------------------------------------------------------ optimizer state per parameter
     def slot_state(self, opt_state: dict) -> dict[int, dict[str, Any]]:
-        """This rank's optimizer state per parameter (slot index): element-wise tensors over the slot's owned
-        piece (chunks concatenated), scalars (``step``) as the slot's first chunk holds them. Slots whose
-        parameter never stepped are absent."""
-        per_slot: dict[int, list[tuple[nn.Parameter, tuple[int, int]]]] = {}
-        for c, rng, slot in zip(self.chunks, self.chunk_ranges, self.chunk_slots):
-            per_slot.setdefault(slot, []).append((c, rng))
-        out: dict[int, dict[str, Any]] = {}
-        for slot, pieces in per_slot.items():
-            states = [opt_state.get(c) for c, _ in pieces]
-            if not states[0]:
-                continue
-            entry: dict[str, Any] = {}
-            for k, v in states[0].items():
-                if _elementwise(v, pieces[0][0]):
-                    entry[k] = torch.cat([st[k].reshape(-1) for st in states])
-                else:
-                    entry[k] = v
-            out[slot] = entry
-        return out
+        return self.optimizer_view.slot_state(opt_state)
 
-    def set_slot_state(self, opt_state: dict, states: dict[int, dict[str, Any]]) -> None:
-        """Inverse of :meth:`slot_state`; element-wise tensors cover the slot's owned piece."""
-        for c, (i, j), slot in zip(self.chunks, self.chunk_ranges, self.chunk_slots):
-            st = states.get(slot)
-            if not st:
-                opt_state.pop(c, None)
-                continue
-            lo = self.slot_ranges[slot][0]
-            opt_state[c] = {k: (v[i - lo:j - lo].clone().to(c.device) if torch.is_tensor(v) and v.dim() == 1 and
-                                v.numel() == self.slot_ranges[slot][1] - lo else (v.clone() if torch.is_tensor(v) else v))
-                            for k, v in st.items()}
+    def set_slot_state(self, opt_state: dict, states: dict[int, dict[str, Any]]) -> bool:
+        return self.optimizer_view.set_slot_state(opt_state, states)
 
     def end_window(self) -> None:
         """Close the accumulation window after the optimizer step (or a skipped step)."""
         self.used.zero_()
         self.shard_param.grad = None
-        for c in self.chunks:
-            c.grad = None
+        self.optimizer_view.set_grads(None)
         self.accum = None
         if self.grad_buf is not None:
             if self.stage >= 2:
@@ -336,7 +318,3 @@ class Bucket:
             "accumulators": nb(self.accum),
         }
 
-
-def _elementwise(value: Any, chunk: torch.Tensor) -> bool:
-    """An optimizer state tensor with one entry per element of the chunk (exp_avg, momentum_buffer ...)."""
-    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == chunk.numel()

@@ -430,11 +430,13 @@ class ShardEngine:
             return
         if self.total_world > 1:
             C.all_reduce(mask, op="max", group=None, tag="used_mask")
-        off = 0
+        unused = (mask == 0).tolist()
+        off, split = 0, False
         for b in buckets:
-            local = mask[off:off + len(b.params)]
+            split |= b.leave_out([i for i in range(len(b.params)) if unused[off + i]], optimizer.state)
             off += len(b.params)
-            b.leave_out([i for i in range(len(b.params)) if local[i] == 0])
+        if split:  # parameters now treated apart got chunks of their own: the optimizer must see them
+            self.binding_for(optimizer).rebind(self.buckets)
 
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""

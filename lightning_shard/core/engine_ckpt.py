@@ -145,7 +145,8 @@ def _load_bucket_optimizer(b: Any, engine: "ShardEngine", reader: Reader, aliase
                 entry[k] = reader.read(f"optim/{b.opt_index}/{name}/{k}", a, a + hi - lo).to(b.device)
         if entry:  # absent: saved before this parameter ever stepped
             states[si] = entry
-    b.set_slot_state(binding.optimizer.state, states)
+    if b.set_slot_state(binding.optimizer.state, states):
+        binding.rebind(engine.buckets)  # parameters saved with different step counts got chunks of their own
     saved = reader.meta["optimizers"][b.opt_index]["groups"] if b.opt_index < len(reader.meta["optimizers"]) else []
     if len(saved) != len(binding.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {reader.path}: optimizer {b.opt_index} has {len(saved)} param groups, the "

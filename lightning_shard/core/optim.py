@@ -130,6 +130,7 @@ class OptimizerBinding:
                 states[slot] = {k: (v.reshape(-1)[a:a + hi - lo].to(b.device) if torch.is_tensor(v) and
                                     v.numel() == sl.numel and v.dim() >= 1 else v) for k, v in src.items()}
             b.set_slot_state(self.optimizer.state, states)
+        self.rebind(self.buckets)  # chunks may have been split by the loaded step counts
 
 
 def _is_piece(v: Any, b: Bucket, slot: int) -> bool:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from . import collectives as C
-from .bucket import Bucket
+from .bucket import Bucket, Gauge
 from .guard import ShardedUseGuard
 from .state import AccumulationPolicy, ParamState
 from .units import UnitSpec
@@ -152,7 +152,10 @@ class ParamShardController:
         self._idle: list[Unit] = []  # backward: gathered for the schedule, no gradient will come on this rank
         self._stack: list[Unit] = []  # units whose forward is running
         self._param_unit = {id(p): u for u in units for b in u.buckets for p in b.params}
-        self.peak_gathered_bytes = 0
+        self.gauge = Gauge()
+        for u in units:
+            for b in u.buckets:
+                b.gauge = self.gauge
         self.unplanned_gathers = 0  # gathers outside the schedule (a unit run twice in one pass, ...)
         self.events: list[tuple[str, int]] = []  # ("gather"|"prefetch"|"wait"|..., unit index), for tests
         self.record_events = False
@@ -188,10 +191,11 @@ class ParamShardController:
             self.events.append((what, unit.index))
 
     def gathered_bytes(self) -> int:
-        return sum(b.gathered_bytes for u in self.units for b in u.buckets)
+        return self.gauge.now
 
-    def _track_peak(self) -> None:
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return self.gauge.peak
 
     def _keep_params(self) -> bool:
         """In a training forward under ``keep_params``: parameters stay for the rest of the window."""
@@ -221,7 +225,6 @@ class ParamShardController:
             if u.state is ParamState.SHARDED:
                 self._event(what, u)
                 u.unshard(async_op=True)
-        self._track_peak()
 
     def _materialize(self, unit: Unit) -> None:
         for u in unit.group:
@@ -231,7 +234,6 @@ class ParamShardController:
             if u.state is ParamState.GATHERING:
                 u.wait()
                 self._event("ready", u)
-        self._track_peak()
 
     def _unplanned(self, unit: Unit, why: str, backward: bool = False) -> None:
         """A gather the schedule did not foresee. Allowed while the plan is being discovered (every rank runs the
@@ -594,7 +596,6 @@ class ParamShardController:
             u.unshard(async_op=True)
         for u in self.units:
             u.wait()
-        self._track_peak()
         paused, self._handles_paused = self._handles_paused, True
         try:
             yield
@@ -610,6 +611,8 @@ class ParamShardController:
         self.released = True
         self.remove_hooks()
         for u in self.units:
+            for b in u.buckets:
+                b.gauge = Gauge()  # the module owns them from now on: not training's gathered bytes
             u.unshard(async_op=True)
         for u in self.units:
             u.wait()
