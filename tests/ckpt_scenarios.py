@@ -23,10 +23,10 @@ def make(kind: str, **kw: Any):
     if kind == "ddp":
         return DDPStrategy(checkpoint_io=ShardedCheckpointIO())
     if kind == "zero3":
-        return Zero3Strategy(find_unused_parameters=True, **kw)
+        return Zero3Strategy(**kw)
     if kind == "fsdp":
-        return FSDPShardStrategy(wrap_classes=["Linear"], find_unused_parameters=True, **kw)
-    return ZeroStrategy(stage=int(kind[-1]), bucket_mb=0.0005, find_unused_parameters=True, **kw)
+        return FSDPShardStrategy(wrap_classes=["Linear"], **kw)
+    return ZeroStrategy(stage=int(kind[-1]), **{"bucket_mb": 0.0005, **kw})
 
 
 def _full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
@@ -36,11 +36,13 @@ def _full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torc
 
 
 def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from: Optional[str] = None,
-             optimizer: str = "sgd", kill_rank_at: Optional[int] = None, **strategy_kw: Any) -> dict[str, Any]:
+             optimizer: str = "sgd", kill_rank_at: Optional[int] = None, unused: bool = False,
+             **strategy_kw: Any) -> dict[str, Any]:
+    """``unused``: the zoo's parameter used on even optimizer steps only (its Adam step count lags behind)."""
     world, rank = C.get_world_size(), C.get_rank()
     acc = GLOBAL_MICRO // world
     L.seed_everything(0, verbose=False)
-    module = ZooModule(optimizer, unused=False)
+    module = ZooModule(optimizer, unused=unused)
     point = ResumePoint()
     callbacks: list[L.Callback] = [point]
     if ckpt_dir:
@@ -53,7 +55,10 @@ def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from:
     data = dataset(3, acc, world)  # one epoch = 3 optimizer steps; same samples for every world size
     trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
                 ckpt_path=resume_from)
-    return {"state": _full_state(trainer, module), "first": point.first, "steps_taken": point.steps_taken}
+    opt = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    steps_per_param = {i: float(st["step"]) for i, st in opt["state"].items() if "step" in st}
+    return {"state": _full_state(trainer, module), "first": point.first, "steps_taken": point.steps_taken,
+            "steps_per_param": steps_per_param}
 
 
 def plain_fit(steps: int, resume_from: Optional[str] = None) -> dict[str, torch.Tensor]:
