@@ -143,3 +143,68 @@ def test_parameters_without_gradients_keep_torchs_per_parameter_optimizer_state(
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(ours["state"][i][k], st[k], rtol=1e-5, atol=1e-9), (names[i], k)
     assert {float(ours["state"][i]["step"]) for i in odd} == {2.0}  # steps 1 and 3 of 4
+
+
+# ------------------------------------------------------------------------------------------ the first-step guard
+class _Indexed(nn.Module):
+    """Reads a child's weight through indexing (``self.blocks[1].weight``), which the bytecode scan cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](x)) * self.scale
+        return h @ self.blocks[1].weight.t()  # blocks[1]'s own forward never runs
+
+
+def fit_indexed() -> dict:
+    """zero3 with default knobs on the ranks of a World; in a process without one, the plain reference (the same
+    global batch of 2: one sample per rank there, two at once here)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_shard.core import collectives as C
+
+    class M(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.net = _Indexed()
+
+        def training_step(self, batch, i):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+    world = C.get_world_size()
+    data = TensorDataset(torch.randn(16, 6, generator=torch.Generator().manual_seed(0)))
+    common = dict(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    module, hosts = M(), {}
+    if not C.is_initialized():
+        L.Trainer(accelerator="cpu", devices=1, **common).fit(module, DataLoader(data, batch_size=2))
+        return {"state": module.state_dict()}
+
+    class Peek(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            ctrl = trainer.strategy.engine.controller
+            hosts.update({u.name: u.host.name for u in ctrl.units if u.host is not None})
+
+    sampler = DistributedSampler(data, num_replicas=world, rank=C.get_rank(), shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="zero3", use_distributed_sampler=False,
+                        callbacks=[Peek()], **common)
+    trainer.fit(module, DataLoader(data, batch_size=1, sampler=sampler))
+    return {"state": module.state_dict(), "hosts": hosts}
+
+
+def test_a_weight_read_the_scan_cannot_see_is_found_in_the_first_step(worlds):
+    """``self.blocks[1].weight`` used by the parent's code: the first step's guard gathers it where it is used,
+    and from then on it is gathered with its reader; the result is the one-process result."""
+    res = worlds(2).run(fit_indexed)
+    assert res[0]["hosts"] == {"net.blocks.1": "net"}, res[0]["hosts"]
+    ref = fit_indexed()["state"]
+    for r in res:
+        assert max(float((r["state"][k] - ref[k]).abs().max()) for k in ref) <= 1e-5

@@ -162,10 +162,6 @@ class Bucket:
         self.flat_param = None
         self.shard = None
 
-    @property
-    def gathered_bytes(self) -> int:
-        return 0 if self.flat_param is None or self.stage != 3 else self.flat_param.numel() * self.flat_param.element_size()
-
     # ------------------------------------------------------------------ gradients
     def attach_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""

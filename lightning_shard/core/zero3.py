@@ -63,7 +63,8 @@ class Unit:
 
     @property
     def group(self) -> list["Unit"]:
-        return [self, *self.attached]
+        """This unit and those gathered with it (transitively)."""
+        return [self, *(u for a in self.attached for u in a.group)]
 
     @property
     def state(self) -> ParamState:
@@ -156,7 +157,6 @@ class ParamShardController:
         for u in units:
             for b in u.buckets:
                 b.gauge = self.gauge
-        self.unplanned_gathers = 0  # gathers outside the schedule (a unit run twice in one pass, ...)
         self.events: list[tuple[str, int]] = []  # ("gather"|"prefetch"|"wait"|..., unit index), for tests
         self.record_events = False
         self._handles_paused = False  # inside full_params(): plain forward, no gather/free
@@ -248,7 +248,6 @@ class ParamShardController:
                     "it cannot be known here, and if ranks differ the collectives mismatch (a crash or a hang). "
                     "Make the module that runs it one unit with leaf_modules=[...] (its class or FQN), or run "
                     "generation/export inside strategy.gathered_params().")
-            self.unplanned_gathers += 1
             (self._backward_extra if backward else self._repeated).add(unit.index)
             log.debug("unit %s gathered outside the schedule (%s)", unit.name, why)
         self._materialize(unit)
@@ -443,6 +442,8 @@ class ParamShardController:
             host = self.units[host_index] if host_index >= 0 else None
             while host is not None and host.host is not None:
                 host = host.host
+            if host is unit:
+                continue
             unit.host = host
             if host is None:
                 self.step_units.append(unit)
