@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader
 
 from lightning_shard.core import collectives as C
 from tests.c10d_counter import C10dCounter
-from tests.foreign import fit_foreign  # noqa: F401 - imported so that workers have it loaded
 from tests.zoo import RankMicroBatches, ZooModule, dataset
 
 OURS = "lightning_shard.core.collectives"

@@ -49,7 +49,7 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m] or list(MODELS)
     strategies = [s for s in args.strategies.split(",") if s]
     cases = [c for c in CASES if c[1] in worlds]
-    print(f"| model | strategy | " + " | ".join(f"acc {a}, world {w}" for a, w in cases) + " |")
+    print("| model | strategy | " + " | ".join(f"acc {a}, world {w}" for a, w in cases) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in cases) + " |")
     refs: dict = {}
     pool: dict[int, World] = {}
