@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar
 
 try:
     from lightning_shard.core.collectives import LEDGER, Ledger
@@ -250,3 +250,49 @@ class ShardMetrics(Callback):
         except ImportError:
             return {}
         return {"mem/rss": float(psutil.Process().memory_info().rss)}
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar counting optimizer steps against ``max_steps``.
+
+    Lightning's bar counts micro-batches of the current epoch against the epoch's length and shows the
+    logger's version (``Epoch 0/-2 ... 600/300 v_num: 0.000`` on a step-bounded run with accumulation).
+    This one shows one bar for the whole fit: optimizer steps done / ``max_steps`` (or the steps the epochs
+    give when ``max_steps`` is unset), the micro-batches seen so far and per step as ``micro_batches: 12
+    (2/step)``, and no ``v_num``.
+    """
+
+    @property
+    def total_train_batches(self) -> float:
+        t = self.trainer
+        if t.max_steps is not None and t.max_steps > 0:
+            return t.max_steps
+        per_epoch = t.num_training_batches
+        if t.max_epochs is not None and t.max_epochs > 0 and math.isfinite(per_epoch):
+            return math.ceil(per_epoch / t.accumulate_grad_batches) * t.max_epochs
+        return float("inf")
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return f"{'steps':{len(self.validation_description)}}"
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.train_progress_bar_id is not None and self.progress is not None:
+            return  # one bar for the whole fit, not one per epoch
+        super().on_train_epoch_start(trainer, pl_module)
+        if self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, completed=trainer.global_step)  # a resumed run
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+    def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        items["micro_batches"] = f"{done} ({trainer.accumulate_grad_batches}/step)"
+        return items

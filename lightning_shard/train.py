@@ -15,6 +15,7 @@ Errors in the config (unknown group option, unknown key, wrong type, impossible 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -30,8 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_shard.app.checks import ConfigError, check_all, did_you_mean
@@ -80,12 +82,94 @@ def check_config(cfg: DictConfig) -> int:
                           f"line, e.g. {missing[0]}=...")
     owned = [k for k in _OWNED_TRAINER_KEYS if k in cfg.trainer]
     if owned:
-        raise ConfigError(f"trainer.{owned[0]} is set by lightning_shard.train, not by the trainer config; "
-                          f"remove {['trainer.' + k for k in owned]} (accumulation is derived from "
-                          f"recipe.global_batch_size / (recipe.micro_batch_size * world_size))")
+        raise ConfigError(owned_key_message(owned[0]))
+    accepted = trainer_keywords()
+    unknown = [str(k) for k in cfg.trainer if k not in accepted]
+    if unknown:
+        raise ConfigError(f"trainer.{unknown[0]}: not a keyword of lightning.Trainer"
+                          f"{did_you_mean(unknown[0], sorted(accepted))}; nothing was started")
+    check_ckpt_path(cfg)
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in _CHECKED_SECTIONS}
     islands = topology_fact(plain["topology"], "islands_per_node")
     return check_all(plain, islands)
+
+
+def owned_key_message(key: str) -> str:
+    """Why ``trainer.<key>`` may not be set, and what to set instead."""
+    if key == "accumulate_grad_batches":
+        return ("trainer.accumulate_grad_batches is derived, not set: recipe.global_batch_size / "
+                "(recipe.micro_batch_size x world size); change recipe.global_batch_size or "
+                "recipe.micro_batch_size instead (the world size comes from the topology)")
+    instead = {"strategy": "strategy=<name> (conf/strategy/)", "callbacks": "callbacks=<name> (conf/callbacks/)",
+               "logger": "logger=<name> (conf/logger/)"}[key]
+    return f"trainer.{key} is set by lightning_shard.train, not by the trainer config; use {instead}"
+
+
+def trainer_keywords() -> set[str]:
+    import inspect
+
+    return set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+CKPT_DIR, LAST = "checkpoints", "last.ckpt"
+
+
+def _run_dir(cfg: DictConfig) -> Optional[Path]:
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    if OmegaConf.select(cfg, "hydra", default=None) is None:
+        return None
+    hc = HydraConfig.instance()  # the preflight's composed config: resolve ${hydra:...} in hydra.run.dir
+    hc.set_config(cfg)
+    try:
+        return Path(OmegaConf.select(cfg, "hydra.run.dir"))
+    finally:
+        hc.cfg = None
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> Optional[str]:
+    """``ckpt_path``: null (start fresh), ``last`` (the newest ``checkpoints/last.ckpt`` among the earlier runs
+    of this recipe x strategy x topology, i.e. the sibling folders of this run's folder), a run folder, or a
+    checkpoint path. Raises :class:`ConfigError` when there is nothing to resume from."""
+    value = cfg.get("ckpt_path")
+    if value in (None, ""):
+        return None
+    value = str(value)
+    if value == "last":
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise ConfigError("ckpt_path=last is for single runs; in a -m sweep give each job a path")
+        here = _run_dir(cfg)
+        if here is None:
+            raise ConfigError("ckpt_path=last needs a Hydra run folder; give a checkpoint path instead")
+        found = sorted((p for p in here.parent.glob(f"*/{CKPT_DIR}/{LAST}") if p.parents[1] != here),
+                       key=lambda p: p.parents[1].name)
+        if not found:
+            raise ConfigError(f"ckpt_path=last: no earlier run of this combination has {CKPT_DIR}/{LAST} under "
+                              f"{here.parent}/; run once without ckpt_path (callbacks=default writes it), or "
+                              f"give a path: ckpt_path=<run folder or .ckpt>")
+        return str(found[-1])
+    path = Path(value)
+    if path.is_dir() and (path / CKPT_DIR / LAST).exists():  # a run folder
+        return str(path / CKPT_DIR / LAST)
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={value}: no such checkpoint or run folder")
+    return str(path)
+
+
+def check_ckpt_path(cfg: DictConfig) -> None:
+    resolve_ckpt_path(cfg)
+
+
+def save_final_checkpoint(trainer: L.Trainer) -> Optional[str]:
+    """Make ``checkpoints/last.ckpt`` hold the final step (Lightning's callback saves on its own schedule)."""
+    cb = trainer.checkpoint_callback
+    if cb is None or not getattr(cb, "save_last", False) or cb.dirpath is None:
+        return None
+    path = os.path.join(cb.dirpath, LAST)
+    if getattr(cb, "_last_global_step_saved", None) != trainer.global_step or not os.path.exists(path):
+        trainer.save_checkpoint(path)  # collective: every rank runs this
+    return path
 
 
 def build_trainer_kwargs(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
@@ -97,7 +181,9 @@ def build_trainer_kwargs(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     return kwargs
 
 
-def build_callbacks(cfg: DictConfig) -> list[Any]:
+def build_callbacks(cfg: DictConfig, run_dir: Optional[str] = None) -> list[Any]:
+    """The ``callbacks`` group's callbacks; a ``ModelCheckpoint`` without ``dirpath`` writes to
+    ``<run_dir>/checkpoints``. Callbacks the trainer config switches off (progress bar, checkpointing) are left out."""
     out = []
     for name, node in (cfg.get("callbacks") or {}).items():
         if node is None:
@@ -105,6 +191,11 @@ def build_callbacks(cfg: DictConfig) -> list[Any]:
         cb = instantiate(node, _convert_="all")
         if isinstance(cb, ProgressBar) and not cfg.trainer.enable_progress_bar:
             continue  # Lightning refuses a progress-bar callback with enable_progress_bar=False
+        if isinstance(cb, ModelCheckpoint):
+            if not cfg.trainer.enable_checkpointing:
+                continue  # and a checkpoint callback with enable_checkpointing=False
+            if cb.dirpath is None and run_dir is not None:
+                cb.dirpath = os.path.join(run_dir, CKPT_DIR)
         out.append(cb)
     return out
 
@@ -186,8 +277,21 @@ def full_summary(comm: CommSummary, trainer: L.Trainer, module: Any, cfg: DictCo
 
 
 # ---------------------------------------------------------------------------------------------- run
+def log_to_run_files() -> None:
+    """Send Lightning's log messages to Hydra's job log too (``train.log`` in rank 0's run folder,
+    ``train_ddp_process_<rank>.log`` for the other ranks). Lightning's loggers do not propagate to the root
+    logger that Hydra gives the file handler, so without this those files stay empty."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        target = logging.getLogger(name)
+        for h in files:
+            if h not in target.handlers:
+                target.addHandler(h)
+
+
 def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     t0 = time.perf_counter()
+    log_to_run_files()
     threads = int(cfg.threads_per_rank)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # also stops Lightning's launchers from resetting threads
     torch.set_num_threads(threads)
@@ -200,9 +304,12 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
 
     comm = CommSummary()
     loggers = build_loggers(cfg)
-    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg)], logger=loggers or False,
-                        **build_trainer_kwargs(cfg, accumulate))
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+    ckpt_path = resolve_ckpt_path(cfg)
+    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir)],
+                        logger=loggers or False, **build_trainer_kwargs(cfg, accumulate))
+    if ckpt_path is not None:
+        rank_zero_info(f"lightning_shard.train: resuming from {ckpt_path}")
     choices = _choices()
     if isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
         # fork/spawn: fit runs in worker processes and this process gets none of the figures back, so
@@ -213,18 +320,36 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
             write_summary(out_dir, s)
 
         comm.on_fit_end_fn = report
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         return {}
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    last_ckpt = save_final_checkpoint(trainer)
     last_val_step = comm.val_losses[-1][0] if comm.val_losses else None
     if cfg.final_validation and last_val_step != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
 
     summary = full_summary(comm, trainer, module, cfg, choices, time.perf_counter() - t0)
+    summary["checkpoint"] = last_ckpt
+    summary["resumed_from"] = ckpt_path
     if trainer.is_global_zero:
         print_summary(summary)
         write_summary(out_dir, summary)
+        print_next_steps(out_dir, last_ckpt, module)
     return summary
+
+
+def print_next_steps(out_dir: str, last_ckpt: Optional[str], module: Any) -> None:
+    """The run folder and what to do with what it holds (printed by rank 0 at the end of a run)."""
+    lines = [f"run folder: {out_dir}  (summary.json, train.log; per-rank logs train_ddp_process_<rank>.log)"]
+    if last_ckpt is not None:
+        # recipes hold the bare network as ``self.model``: its keys are the module's minus "model."
+        prefix = "model." if isinstance(getattr(module, "model", None), torch.nn.Module) else ""
+        lines += [f"checkpoint: {last_ckpt}  (sharded: one folder, every rank's part)",
+                  "  resume:      python -m lightning_shard.train <same overrides> ckpt_path=last "
+                  "trainer.max_steps=<more>",
+                  f"  consolidate: lightning-shard consolidate {last_ckpt} model.pt"
+                  + (f" --strip-prefix {prefix}" if prefix else "")]
+    print("\n".join(lines))
 
 
 def run_isolated() -> dict[str, Any]:
@@ -310,6 +435,11 @@ def explain(err: BaseException, overrides: Sequence[str]) -> str:
             parent, _, leaf = key.rpartition(".")
             base = _compose([o for o in overrides if "=" in o and "." not in o.split("=", 1)[0].lstrip("+~")])
             node = OmegaConf.select(base, parent) if parent else base
+            if parent == "trainer" and leaf in _OWNED_TRAINER_KEYS:
+                return owned_key_message(leaf)
+            if parent == "trainer" and leaf in trainer_keywords():
+                return (f"{key}: not in the trainer schema; other lightning.Trainer keywords are added with a "
+                        f"'+': +{key}=...")
             if isinstance(e, ConfigKeyError) or "not in" in str(e.msg if hasattr(e, "msg") else e):
                 valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
                 valid = [k for k in valid if k != "hydra"]

@@ -22,6 +22,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .resumable import ResumableData
+
 VOCAB_SIZE = 256
 # Directories of the standard library that hold no library source (or someone else's packages).
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
@@ -118,7 +120,7 @@ class WindowDataset(Dataset):
         return w[:-1], w[1:]
 
 
-class StdlibTextDataModule(pl.LightningDataModule):
+class StdlibTextDataModule(ResumableData, pl.LightningDataModule):
     """Byte-level language modelling on the standard library sources.
 
     ``micro_batch_size`` is the per-rank batch of one forward/backward; the global batch and the
@@ -156,9 +158,9 @@ class StdlibTextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.micro_batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, generator=gen,
-                          persistent_workers=self.num_workers > 0)
+        return self.train_loader(self.train_set, batch_size=self.micro_batch_size, shuffle=True, drop_last=True,
+                                 num_workers=self.num_workers, generator=gen,
+                                 persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.micro_batch_size, shuffle=False, drop_last=False,

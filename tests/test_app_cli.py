@@ -46,18 +46,60 @@ def _summaries(sweep_dir: Path) -> dict[str, dict]:
     return {r["strategy_config"]: r for r in rows}
 
 
+def _consolidated(ckpt: str, out: Path) -> dict[str, torch.Tensor]:
+    proc = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "consolidate", ckpt, str(out),
+                           "--strip-prefix", "model."], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
 def test_main_job_path_popen(tmp_path):
-    proc = _run(["strategy=zero2", *COMMON, f"hydra.run.dir={tmp_path}"])
+    """The main job's path (popen launcher, default callbacks): summary, run folder and checkpoint printed at
+    the end; then resume with ``ckpt_path=last`` and consolidate what it wrote, as the end of the run says."""
+    # warm-up longer than the run: the learning rate of steps 1-4 does not depend on max_steps (a cosine over
+    # max_steps would differ between a 2-step run and a 4-step one, and so would the weights)
+    quiet = ["strategy=zero2", "recipe=gpt_test", "trainer=quiet", "seed=1234", "recipe.model.warmup_steps=8"]
+    whole = tmp_path / "whole" / "run"
+    proc = _run([*quiet, f"hydra.run.dir={whole}"])
     assert "lightning_shard run summary" in proc.stdout
-    s = json.loads((tmp_path / "summary.json").read_text())
+    assert f"run folder: {whole}" in proc.stdout
+    s = json.loads((whole / "summary.json").read_text())
     assert (s["strategy"], s["topology"], s["recipe"], s["world_size"]) == ("zero2", "cpu", "gpt_test", 2)
     assert s["accumulate_grad_batches"] == 2 and s["optimizer_steps"] == 4
     assert s["accumulation_policy"] in ("defer", "per_micro_batch")
     assert s["wire_bytes_per_step"] > 0 and s["memory"]["total"] > 0 and s["tokens_per_s"] > 0
     assert s["final_val_step"] == 4 and s["final_val_loss"] < s["step_losses"][0]
-    metrics = next(tmp_path.glob("gpt_test/version_*/metrics.csv")).read_text().splitlines()[0].split(",")
+    metrics = next(whole.glob("gpt_test/version_*/metrics.csv")).read_text().splitlines()[0].split(",")
     assert {"comm/total", "mem/total", "mem/gathered_params_peak", "train_loss", "val_loss"} <= set(metrics)
     assert any(m.startswith("comm/reduce_scatter[") for m in metrics)
+    logs = (whole / "train.log").read_text()
+    assert "Initializing distributed: GLOBAL_RANK: 0" in logs and "accumulation=" in logs
+    assert "GLOBAL_RANK: 1" in (whole / "train_ddp_process_1.log").read_text()
+    assert s["checkpoint"] == str(whole / "checkpoints" / "last.ckpt") and s["resumed_from"] is None
+    assert f"consolidate: lightning-shard consolidate {s['checkpoint']} model.pt --strip-prefix model." in proc.stdout
+
+    # the same 4 steps as 2 + a resumed 2: same weights, and consolidate -> the bare network loads them
+    first, second = tmp_path / "split" / "a", tmp_path / "split" / "b"
+    _run([*quiet, "trainer.max_steps=2", f"hydra.run.dir={first}"])
+    proc = _run([*quiet, "ckpt_path=last", f"hydra.run.dir={second}"])
+    resumed = json.loads((second / "summary.json").read_text())
+    assert resumed["resumed_from"] == str(first / "checkpoints" / "last.ckpt")
+    assert f"resuming from {first / 'checkpoints' / 'last.ckpt'}" in proc.stdout + proc.stderr
+    assert resumed["optimizer_steps"] == 4 and "Restored all states" in (second / "train.log").read_text()
+    w_whole = _consolidated(s["checkpoint"], tmp_path / "whole.pt")
+    w_resumed = _consolidated(resumed["checkpoint"], tmp_path / "resumed.pt")
+    assert w_whole.keys() == w_resumed.keys()
+    diff = max((w_whole[k] - w_resumed[k]).abs().max().item() for k in w_whole)
+    assert diff <= 1e-6, f"resumed run ends {diff} away from the uninterrupted one"
+    assert abs(resumed["final_val_loss"] - s["final_val_loss"]) <= 1e-5
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    recipe = OmegaConf.load(whole / ".hydra" / "config.yaml").recipe
+    bare = instantiate(recipe.model, _convert_="all").model  # the recipe's network, no Lightning, no engine
+    bare.load_state_dict(w_resumed, strict=True)
+    assert all(torch.equal(bare.state_dict()[k], w_resumed[k]) for k in w_resumed)
 
 
 def test_sweep_runs_every_strategy_and_writes_the_report(sweep):

@@ -40,13 +40,40 @@ from lightning_shard.train import preflight, sweep_combinations
     (["strategy=zero3_hybrid"], ["strategy.shard_size=auto", "one island", "topology=cpu_2x2"]),
     (["strategy=zero2", "strategy.shard_size=2"], ["strategy.shard_size=2", "more than one group"]),
     # accumulation is derived, never typed
-    (["+trainer.accumulate_grad_batches=4"], ["trainer.accumulate_grad_batches"]),
+    (["+trainer.accumulate_grad_batches=4"], ["trainer.accumulate_grad_batches is derived",
+                                               "recipe.global_batch_size", "recipe.micro_batch_size"]),
+    (["trainer.accumulate_grad_batches=4"], ["trainer.accumulate_grad_batches is derived",
+                                              "recipe.global_batch_size", "recipe.micro_batch_size"]),
+    # a Trainer keyword the schema does not list, and a misspelt one (before any run folder is made)
+    (["trainer.detect_anomaly=true"], ["+trainer.detect_anomaly=..."]),
+    (["+trainer.max_stpes=3"], ["trainer.max_stpes: not a keyword of lightning.Trainer", "did you mean 'max_steps'"]),
+    # resuming with nothing to resume from
+    (["ckpt_path=/nonexistent/run"], ["ckpt_path=/nonexistent/run: no such checkpoint or run folder"]),
 ])
 def test_bad_input_names_the_key_and_the_fix(argv, expected):
     message = preflight(argv)
     assert message is not None, argv
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_resume_from_last_without_an_earlier_run_is_refused_before_launch(tmp_path):
+    message = preflight(["ckpt_path=last", f"hydra.run.dir={tmp_path}/run"])
+    assert message is not None and "ckpt_path=last: no earlier run" in message and str(tmp_path) in message
+    (tmp_path / "earlier" / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    assert preflight(["ckpt_path=last", f"hydra.run.dir={tmp_path}/run"]) is None
+
+
+def test_a_misspelt_trainer_key_leaves_no_run_folder(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "lightning_shard.train", "+trainer.max_stpes=3",
+                           f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trainer.max_stpes: not a keyword of lightning.Trainer" in proc.stderr
+    assert "Traceback" not in proc.stderr and not run.exists()
 
 
 def test_a_sweep_is_checked_job_by_job_before_any_starts():

@@ -179,7 +179,8 @@ def test_callbacks_and_trainer_configs_instantiate(callbacks, trainer):
     cbs = build_callbacks(cfg)
     names = {type(c).__name__ for c in cbs}
     assert "ShardMetrics" in names
-    assert ("RichProgressBar" in names) == (callbacks == "default" and cfg.trainer.enable_progress_bar)
+    assert ("StepProgressBar" in names) == (callbacks == "default" and cfg.trainer.enable_progress_bar)
+    assert ("ModelCheckpoint" in names) == (callbacks == "default" and cfg.trainer.enable_checkpointing)
     L.Trainer(**build_trainer_kwargs(cfg, check_config(cfg)), callbacks=cbs, logger=False,
               strategy=instantiate(cfg.strategy))  # the Trainer accepts every key
 
