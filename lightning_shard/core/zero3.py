@@ -592,7 +592,11 @@ class ParamShardController:
 
     @contextmanager
     def full_params(self) -> Iterator[None]:
-        """Every unit gathered for the duration (generation, export); resharded on exit. Collective."""
+        """Every unit gathered for the duration (generation, export); resharded on exit. Collective.
+        After :meth:`release_to_module` (the end of fit) the module already holds full parameters: a no-op."""
+        if self.released:
+            yield
+            return
         for u in self.units:
             u.unshard(async_op=True)
         for u in self.units:

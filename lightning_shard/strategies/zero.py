@@ -64,6 +64,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from ..core import collectives as C
 from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
 from .checkpointing import CheckpointMixin, STATE_DICT_TYPES
+from . import summary
 from .layout import Groups, check_job_placement, make_groups, resolve_topology, validate_shard_size
 from .precision import ShardedPrecision
 
@@ -261,6 +262,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                                       gather_group=self._groups.gather)
             if self.engine.plan_summary:
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
+            if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout
+                summary.install(trainer, self.engine)
             self.precision_plugin.engine = self.engine
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
