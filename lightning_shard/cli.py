@@ -1,16 +1,18 @@
 """The `lightning-shard` console script: argparse subcommands, each implemented in its own module.
 
-To add a subcommand, add `name: "package.module"` to SUBCOMMANDS; the module defines
-`register(subparsers)`, which adds its parser and sets `func=run` with `run(args) -> int`. Keep heavy
-imports (torch, lightning) inside `run` so that `lightning-shard --help` stays fast.
+To add a subcommand, add `name: "package.module"` to SUBCOMMANDS and its one-line help to SUMMARIES; the
+module defines `register(subparsers)`, which adds its parser and sets `func=run` with `run(args) -> int`.
+Only the module of the subcommand being run is imported (`lightning-shard --help` imports none), and the
+modules keep heavy imports (torch, lightning) inside `run`, so that `--help` and `topo` stay fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import Sequence
+from typing import Iterable, Sequence
 
 SUBCOMMANDS = {
     "topo": "lightning_shard.topology.cli_topo",
@@ -18,23 +20,52 @@ SUBCOMMANDS = {
     "consolidate": "lightning_shard.cli_consolidate",
     "train": "lightning_shard.app.cli_train",
 }
+# what `lightning-shard --help` lists, without importing the modules (a test checks they match)
+SUMMARIES = {
+    "topo": "show GPU topology: islands, link classes, bandwidths, best device subset",
+    "plan": "predict memory, bytes per link class and step time per strategy; recommend one",
+    "consolidate": "turn a sharded checkpoint directory into one plain file",
+    "train": "train with the Hydra config (conf/train.yaml); args are Hydra overrides",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; `load`: the subcommands whose modules are imported (default: all), the others are listed only."""
+    wanted = set(SUBCOMMANDS) if load is None else set(load)
     parser = argparse.ArgumentParser(prog="lightning-shard", description="ZeRO / FSDP-style sharding for Lightning: tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).register(sub)
+    for name, module in SUBCOMMANDS.items():
+        if name in wanted:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=SUMMARIES.get(name), add_help=False)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line (the first argument that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command(argv)
+    args = build_parser(load=[command] if command in SUBCOMMANDS else []).parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as err:  # user errors (bad capture, unknown preset ...): one clear line, no traceback
-        print(f"lightning-shard {args.command}: error: {err}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly (Python docs, "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except (ValueError, OSError) as err:  # user errors (bad capture, missing file ...): one clear line, no traceback
+        print(f"lightning-shard {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and err.filename is not None:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def test_file_json(capsys):
     assert any("no link information" in w for w in partial["warnings"])
     rocm = _json(capsys, ["topo", "--file", str(ASSETS / "f27_mi300_rocm_smi.txt"), "--json"])
     assert rocm["islands"][0]["link"] == "xgmi"
+    rocm5 = _json(capsys, ["topo", "--file", str(ASSETS / "f27_mi300_rocm_smi.txt"), "--pcie-gen", "5", "--json"])
+    assert rocm["fabric"]["pcie_gen"] == 4 and rocm5["fabric"]["pcie_gen"] == 5  # --pcie-gen applies to rocm-smi too
 
 
 def test_live_machine_without_gpu_is_cpu(capsys, monkeypatch):
@@ -76,3 +78,84 @@ def test_subcommands_are_pluggable(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_plan", mod)
     monkeypatch.setitem(SUBCOMMANDS, "plan", "fake_plan")
     assert build_parser().parse_args(["plan"]).func(None) == 7 and main(["plan"]) == 7
+
+
+def _no_gpu(monkeypatch, n="1"):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setenv("PATH", "")  # no nvidia-smi
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", n)
+
+
+def test_no_gpu_says_so_without_link_generations(capsys, monkeypatch):
+    """A machine without GPUs: the report says there is none and what it falls back to; no NVLink / PCIe gen."""
+    _no_gpu(monkeypatch)
+    assert main(["topo"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps at the console width
+    assert "cpu source: conf/topology/cpu.yaml nodes: 1 devices: 1 CPU process (no GPU)" in text
+    assert "NVLink gen" not in text and "PCIe gen" not in text and "link classes" not in text  # no pair: no table
+    assert "falling back to the cpu topology, 1 CPU process (gloo; LOCAL_WORLD_SIZE sets how many)" in text
+    _no_gpu(monkeypatch, "2")
+    out = _json(capsys, ["topo", "--json"])
+    assert out["fabric"] == {"nvlink_gen": None, "pcie_gen": None, "network": "ib_ndr"}
+    assert "2 CPU processes" in out["warnings"][-1]
+
+
+def test_rich_output_keeps_brackets(capsys, monkeypatch):
+    """Text that looks like rich markup is printed as is: the install hint keeps its [nvml] extra."""
+    _no_gpu(monkeypatch)
+    assert main(["topo"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "no GPU found (pynvml is not installed (pip install 'lightning-shard[nvml]');" in text
+    assert "nvidia-smi is not installed (not on PATH)" in text
+    assert main(["topo", "--file", str(ASSETS / "f08_h100_nvl_pairs.txt"), "--model", "[bold]X[/bold] [nvml]"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "devices: 8 x [bold]X[/bold] [nvml] NVLink gen 4, PCIe gen 4" in text
+    assert "--model '[bold]X[/bold] [nvml]' is not a GPU whose PCIe generation we know" in text
+
+
+def test_pcie_generation_follows_the_gpu(capsys):
+    """H100 NVL cards are PCIe Gen5: the preset says so, and a capture with --model H100 NVL does too;
+    a capture alone (which names no GPU) is Gen4 with a warning that says it is assumed."""
+    nvl = _json(capsys, ["topo", "--preset", "h100_nvl_8", "--json"])
+    assert nvl["fabric"]["pcie_gen"] == 5 and nvl["gbps"][0][2] == 63.0 and nvl["gbps"][0][4] == 51.66  # NODE, SYS
+    f08 = str(ASSETS / "f08_h100_nvl_pairs.txt")
+    named = _json(capsys, ["topo", "--file", f08, "--model", "NVIDIA H100 NVL", "--json"])
+    assert named["fabric"]["pcie_gen"] == 5 and named["fabric"]["nvlink_gen"] == 4 and named["gbps"][0][2] == 63.0
+    assert named["devices"][0]["model"] == "NVIDIA H100 NVL" and named["warnings"] == []
+    assert named["gbps"] == nvl["gbps"]  # the capture and the preset of the same machine agree
+    bare = _json(capsys, ["topo", "--file", f08, "--json"])
+    assert bare["fabric"]["pcie_gen"] == 4 and bare["gbps"][0][2] == 31.5
+    assert bare["warnings"] == ["PCIe gen 4 assumed (31.5 GB/s per direction): a capture does not name its GPUs; "
+                                "pass --pcie-gen, or --model (e.g. --model 'H100 NVL')"]
+    given = _json(capsys, ["topo", "--file", f08, "--pcie-gen", "5", "--json"])
+    assert given["fabric"]["pcie_gen"] == 5 and given["warnings"] == []
+    v100 = _json(capsys, ["topo", "--file", f08, "--model", "Tesla V100-PCIE-32GB", "--pcie-gen", "4", "--json"])
+    assert v100["fabric"] == {"nvlink_gen": 2, "pcie_gen": 4, "network": "ib_ndr"}  # an explicit gen wins
+    assert main(["topo", "--preset", "h100_nvl_8"]) == 0
+    assert "NVLink gen 4, PCIe gen 5" in " ".join(capsys.readouterr().out.split())
+
+
+def test_file_missing_or_a_directory_is_one_line(capsys, tmp_path):
+    assert main(["topo", "--file", str(tmp_path / "nope.txt")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"lightning-shard topo: error: --file {tmp_path / 'nope.txt'}: no such file\n"
+    assert main(["topo", "--file", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lightning-shard topo: error: --file {tmp_path}: not a file") and err.count("\n") == 1
+    assert main(["topo", "--file", str(ASSETS / "f08_h100_nvl_pairs.txt"), "--pcie-gen", "7"]) == 2
+    assert "pcie_gen=7 is not one of [3, 4, 5]" in capsys.readouterr().err
+    assert main(["topo", "--file", str(ASSETS / "f08_h100_nvl_pairs.txt"), "--pcie-gen", "0"]) == 2  # not "unset"
+    assert "pcie_gen=0 is not one of [3, 4, 5]" in capsys.readouterr().err
+
+
+def test_os_errors_of_any_subcommand_are_one_line(capsys, monkeypatch):
+    mod = types.ModuleType("fake_cmd")
+
+    def run(args):
+        raise PermissionError(13, "Permission denied", "/root/x.png")
+
+    mod.register = lambda sub: sub.add_parser("plan").set_defaults(func=run)
+    monkeypatch.setitem(sys.modules, "fake_cmd", mod)
+    monkeypatch.setitem(SUBCOMMANDS, "plan", "fake_cmd")
+    assert main(["plan"]) == 2
+    assert capsys.readouterr().err == "lightning-shard plan: error: /root/x.png: Permission denied\n"

@@ -183,3 +183,72 @@ def test_nvml_init_failure_falls_back(nvml):
 def test_normalize_bus_id():
     assert normalize_bus_id(b"00000000:07:00.0") == "0000:07:00.0"
     assert normalize_bus_id("0000:C7:00.0") == "0000:c7:00.0" and normalize_bus_id("07:00.0") == "0000:07:00.0"
+
+
+def test_generations_by_gpu_model():
+    from lightning_shard.topology.links import generations_for
+
+    cases = {"NVIDIA H100 NVL": (4, 5), "NVIDIA H100 80GB HBM3": (4, 5), "NVIDIA H100 PCIe": (4, 5),
+             "NVIDIA H200": (4, 5), "NVIDIA GH200 480GB": (4, 5), "NVIDIA B200": (5, 5),
+             "NVIDIA A100-SXM4-80GB": (3, 4), "NVIDIA A100 80GB PCIe": (3, 4), "NVIDIA A10G": (3, 4),
+             "Tesla V100-SXM2-32GB": (2, 3), "Tesla P100-PCIE-16GB": (1, 3), "Tesla T4": (2, 3),
+             "NVIDIA GeForce RTX 4090": (None, 4), "NVIDIA L40S": (None, 4), "NVIDIA GeForce RTX 5090": (None, 5),
+             "NVIDIA RTX A2000": (3, 4), "PCIe GPU": (None, None), "AMD Instinct MI300X": (None, None), None: (None, None)}
+    assert {m: generations_for(m) for m in cases} == cases
+
+
+def test_preset_generations_follow_the_model():
+    from lightning_shard.topology.links import generations_for
+    from lightning_shard.topology.presets import build_preset, list_presets, read_preset
+
+    def gens(model):
+        t = build_preset({"name": "x", "devices": 2, "uniform": "SYS", **({"model": model} if model else {})})
+        return t.fabric.nvlink_gen, t.fabric.pcie_gen, t.gbps(0, 1)
+
+    assert gens("NVIDIA H100 NVL") == (4, 5, 51.66) and gens("NVIDIA A100 80GB PCIe") == (3, 4, 25.83)
+    assert gens("Tesla V100-SXM2-32GB") == (2, 3, 12.915) and gens(None) == (4, 4, 25.83)
+    assert build_preset({"name": "x", "devices": 2, "uniform": "SYS", "model": "NVIDIA H100 NVL",
+                         "pcie_gen": 4}).fabric.pcie_gen == 4  # an explicit key wins
+    checked = 0
+    for name in list_presets():  # the shipped presets that name their GPU agree with the table
+        cfg = read_preset(name)
+        nvlink, pcie = generations_for(cfg.get("model"))
+        if pcie is not None:
+            checked += 1
+            assert cfg.get("pcie_gen", pcie) == pcie and cfg.get("nvlink_gen", nvlink) == nvlink, name
+    assert checked >= 4
+
+
+def test_nvml_generation_falls_back_to_the_model(nvml):
+    mod = fake_nvml(nvl_pairs())
+    mod.nvmlDeviceGetName = lambda h: "NVIDIA H100 NVL"
+    mod.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: (_ for _ in ()).throw(NVMLError("Not Supported"))
+    mod.nvmlDeviceGetCudaComputeCapability = lambda h: (_ for _ in ()).throw(NVMLError("Not Supported"))
+    nvml(mod)
+    topo = detect(env={})
+    assert (topo.fabric.nvlink_gen, topo.fabric.pcie_gen) == (4, 5) and topo.devices[0].model == "NVIDIA H100 NVL"
+    mod.nvmlDeviceGetName = lambda h: "NVIDIA A100 80GB PCIe"
+    assert detect(env={}).fabric.pcie_gen == 4
+    mod.nvmlDeviceGetName = lambda h: "Some Future GPU"
+    assert detect(env={}).fabric.pcie_gen == 4  # unknown model: the default
+
+
+def test_smi_generation_from_the_query_else_the_model(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    topo_m = open(ASSETS_F09).read()
+
+    def runner(name, gen=None):
+        extra = "" if gen is None else f", {gen}"
+        query = "\n".join(f"{i}, {UUID[i]}, 00000000:{0x18 + i:02X}:00.0, {name}{extra}" for i in range(4))
+        return lambda cmd: topo_m if cmd[1] == "topo" else query
+
+    calls = []
+    smi = runner("NVIDIA H100 NVL")
+    topo = detect(env={}, run=lambda cmd: calls.append(cmd) or smi(cmd))
+    assert ["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id,name,pcie.link.gen.max", "--format=csv,noheader"] in calls
+    assert topo.fabric.pcie_gen == 5 and topo.gbps(0, 2) == round(63.0 * 0.82, 3)  # SYS across the pairs
+    assert topo.devices[3].model == "NVIDIA H100 NVL" and topo.devices[3].uuid == UUID[3]
+    assert detect(env={}, run=runner("NVIDIA H100 NVL", 4)).fabric.pcie_gen == 4  # the slot's limit wins
+    assert detect(env={}, run=runner("NVIDIA H100 NVL", "[N/A]")).fabric.pcie_gen == 5
+    a100 = detect(env={"CUDA_VISIBLE_DEVICES": "1,0"}, run=runner("NVIDIA A100 80GB PCIe"))
+    assert (a100.fabric.nvlink_gen, a100.fabric.pcie_gen) == (3, 4) and [d.name for d in a100.devices] == ["GPU1", "GPU0"]

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from lightning_shard.topology.links import Fabric
+from lightning_shard.topology.links import Fabric, fabric_for_models
 from lightning_shard.topology.model import Device, Topology
 from lightning_shard.topology.parse import parse_topo
 from lightning_shard.topology.presets import load_preset
@@ -24,6 +24,7 @@ from lightning_shard.topology.presets import load_preset
 _ANCESTOR_TOKEN = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 _REMOTE_GPU, _REMOTE_SWITCH = 0, 2  # nvmlNvLinkDeviceType_t: GPU, IBMNPU (1), SWITCH, UNKNOWN (0xFF)
 _MAJOR_TO_NVLINK_GEN = {6: 1, 7: 2, 8: 3, 9: 4, 10: 5}  # compute capability -> NVLink generation
+_QUERY = "--query-gpu=index,uuid,pci.bus_id,name,pcie.link.gen.max"
 Runner = Callable[[Sequence[str]], str]
 
 
@@ -139,7 +140,8 @@ def _read_nvml(nvml: Any, env: Mapping[str, str]) -> Topology:
                 tokens[a][b] = _pcie_token(nvml, handles[order[a]], handles[order[b]])
     devices = [Device(index=p, name=f"GPU{k}", local_index=p, model=_text(nvml.nvmlDeviceGetName(handles[k])),
                       pci_bus_id=buses[k], uuid=uuids[k], numa=_numa(nvml, handles[k])) for p, k in enumerate(order)]
-    return Topology.from_tokens("nvml", tokens, devices, _fabric(nvml, [handles[k] for k in order]), source="nvml")
+    fabric = _fabric(nvml, [handles[k] for k in order], [d.model for d in devices])
+    return Topology.from_tokens("nvml", tokens, devices, fabric, source="nvml")
 
 
 def _pcie_token(nvml: Any, a: Any, b: Any) -> str:
@@ -156,40 +158,58 @@ def _numa(nvml: Any, handle: Any) -> int | None:
         return None
 
 
-def _fabric(nvml: Any, handles: Sequence[Any]) -> Fabric:
+def _fabric(nvml: Any, handles: Sequence[Any], models: Sequence[str | None] = ()) -> Fabric:
+    """Generations from NVML (compute capability, max PCIe link generation); where a query fails, from the
+    model names (links.GPU_GENERATIONS: H100 / H200 Gen5, A100 Gen4, V100 Gen3), else the defaults."""
+    nvlink_gen: int | None
+    pcie_gen: int | None
     try:
         major = min(nvml.nvmlDeviceGetCudaComputeCapability(h)[0] for h in handles)
-        nvlink_gen = _MAJOR_TO_NVLINK_GEN.get(major, 5 if major > 10 else 4)
+        nvlink_gen = _MAJOR_TO_NVLINK_GEN.get(major, 5 if major > 10 else None)
     except Exception:
-        nvlink_gen = 4
+        nvlink_gen = None
     try:
         pcie_gen = min(max(int(nvml.nvmlDeviceGetMaxPcieLinkGeneration(h)), 3) for h in handles)
         pcie_gen = min(pcie_gen, 5)
     except Exception:
-        pcie_gen = 4
-    return Fabric(nvlink_gen=nvlink_gen, pcie_gen=pcie_gen)
+        pcie_gen = None
+    return fabric_for_models(list(models), nvlink_gen, pcie_gen)
 
 
 def _run(cmd: Sequence[str]) -> str:
     try:
         done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=True)
+    except FileNotFoundError as err:
+        raise Unavailable(f"{cmd[0]} is not installed (not on PATH)") from err
     except (OSError, subprocess.SubprocessError) as err:
         raise Unavailable(f"{' '.join(cmd)} failed: {err}") from err
     return done.stdout
 
 
 def detect_smi(env: Mapping[str, str] | None = None, run: Runner = _run) -> Topology:
-    """Fallback: parse `nvidia-smi topo -m`, map uuids / bus ids with --query-gpu, apply CUDA_VISIBLE_DEVICES."""
+    """Fallback: parse `nvidia-smi topo -m`, map uuids / bus ids with --query-gpu, apply CUDA_VISIBLE_DEVICES.
+
+    The PCIe generation is the GPUs' `pcie.link.gen.max` (the most the GPU and its slot allow), else the one
+    of their model; the NVLink generation is the model's (links.GPU_GENERATIONS), else the default.
+    """
     env = os.environ if env is None else env
-    topo = parse_topo(run(["nvidia-smi", "topo", "-m"]), source="nvidia-smi topo -m", name="nvidia-smi")
-    rows = [r.split(",") for r in run(["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id,name",
-                                       "--format=csv,noheader"]).splitlines() if r.strip()]
-    info = {int(r[0]): (r[1].strip(), normalize_bus_id(r[2]), r[3].strip()) for r in rows if len(r) >= 4}
-    topo.devices = [replace(d, uuid=info[d.index][0], pci_bus_id=info[d.index][1], model=info[d.index][2])
-                    if d.index in info else d for d in topo.devices]
-    order = visible_order(env, [d.uuid or "" for d in topo.devices])
+    text = run(["nvidia-smi", "topo", "-m"])
+    rows = [[c.strip() for c in r.split(",")] for r in run(["nvidia-smi", _QUERY, "--format=csv,noheader"]).splitlines()
+            if r.strip()]
+    info = {int(r[0]): (r[1], normalize_bus_id(r[2]), r[3]) for r in rows if len(r) >= 4}
+    pcie_max = {int(r[0]): int(r[4]) for r in rows if len(r) >= 5 and r[4].isdigit()}  # "[N/A]" on some parts
+    topo = parse_topo(text, source="nvidia-smi topo -m", name="nvidia-smi")
+    devices = [replace(d, uuid=info[d.index][0], pci_bus_id=info[d.index][1], model=info[d.index][2])
+               if d.index in info else d for d in topo.devices]
+    order = visible_order(env, [d.uuid or "" for d in devices])
     if not order:
         raise Unavailable("CUDA_VISIBLE_DEVICES hides every GPU")
+    gens = [pcie_max[devices[k].index] for k in order if devices[k].index in pcie_max]
+    pcie_gen = min(max(min(gens), 3), 5) if gens and len(gens) == len(order) else None
+    fabric = fabric_for_models([devices[k].model for k in order], pcie_gen=pcie_gen)
+    if fabric != topo.fabric:
+        topo = parse_topo(text, source="nvidia-smi topo -m", name="nvidia-smi", fabric=fabric)
+    topo.devices = devices
     return topo if order == list(range(len(topo.devices))) else topo.subset(order, name="nvidia-smi")
 
 
@@ -202,6 +222,8 @@ def detect(env: Mapping[str, str] | None = None, nvml: Any = None, run: Runner =
             return path()
         except Unavailable as why:
             notes.append(str(why))
-    topo = load_preset("cpu", devices=int(env.get("LOCAL_WORLD_SIZE", 1)))
-    topo.warnings.append("no GPU found (" + "; ".join(notes) + "): using the cpu topology")
+    n = int(env.get("LOCAL_WORLD_SIZE", 1))
+    topo = load_preset("cpu", devices=n)
+    topo.warnings.append(f"no GPU found ({'; '.join(notes)}): falling back to the cpu topology, {n} CPU "
+                         f"process{'es' if n != 1 else ''} (gloo; LOCAL_WORLD_SIZE sets how many)")
     return topo

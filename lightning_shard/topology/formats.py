@@ -46,7 +46,8 @@ _SECTION = re.compile(r"=+\s*(.*?)\s*=+\s*$")
 _NUMA = re.compile(r"^GPU\[(\d+)\]\s*:\s*\(Topology\) Numa Node:\s*(\d+)")
 
 
-def parse_rocm_smi(text: str, source: str = "<text>", name: str | None = None) -> Topology:
+def parse_rocm_smi(text: str, source: str = "<text>", name: str | None = None,
+                   fabric: Fabric | None = None) -> Topology:
     """A topology from `rocm-smi --showtopo`: its "Link Type between two GPUs" matrix and NUMA nodes.
 
     XGMI pairs become XGMI links (one link each, 64 GB/s per direction); PCIE pairs become NODE or SYS by
@@ -92,5 +93,5 @@ def parse_rocm_smi(text: str, source: str = "<text>", name: str | None = None) -
                                          line=k, source=source)
         rows.append(row)
     devices = [Device(index=i, name=f"GPU{i}", local_index=i, numa=numa.get(i)) for i in range(n)]
-    return Topology.from_tokens(name or "rocm_smi", rows, devices, Fabric(), source=source,
+    return Topology.from_tokens(name or "rocm_smi", rows, devices, fabric or Fabric(), source=source,
                                 extra_tokens={"XGMI": LinkClass.XGMI})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from typing import Sequence
 
 
 class LinkClass(str, Enum):
@@ -67,6 +68,28 @@ DEFAULT_PCIE_GEN = 4
 # A ring that crosses the CPU sockets (SYS) runs below the PCIe link rate: the F09 capture's nccl-tests
 # all_reduce across two A100 PCIe pairs on Gen4 measured busbw 25.9 GB/s = 0.82 x 31.5.
 CROSS_SOCKET_FACTOR = 0.82
+
+# --- Generations by GPU model, for sources that name the GPU but not its links (presets with `model:`,
+# nvidia-smi names, NVML when a query fails, `topo --file --model`). First match on the upper-cased name
+# wins; None: the part has no NVLink (its NVLink generation is then the default, and unused). Sources: the
+# NVIDIA datasheets of each part (host interface; NVLink generation), e.g. H100 SXM / PCIe / NVL and H200:
+# PCIe Gen5 x16, NVLink 4; A100 SXM4 / PCIe: PCIe Gen4, NVLink 3; V100: PCIe Gen3, NVLink 2; P100: Gen3, NVLink 1.
+_B, _E = r"(?<![A-Z0-9])", r"(?!\d)"  # a model number is not part of a longer one ("A2" is not "A2000")
+GPU_GENERATIONS: tuple[tuple[re.Pattern[str], int | None, int], ...] = tuple(
+    (re.compile(pattern.replace("<", _B).replace(">", _E)), nvlink, pcie) for pattern, nvlink, pcie in (
+        (r"<G?B(100|200)>", 5, 5),  # Blackwell data center
+        (r"<G?H(100|200|800|20)>", 4, 5),  # Hopper: SXM, PCIe and NVL cards alike are PCIe Gen5
+        (r"<RTX 50\d0>|<RTX PRO \d+ BLACKWELL", None, 5),  # Blackwell workstation / consumer
+        (r"<A(100|800|30)>", 3, 4),  # Ampere data center
+        (r"<A(2|10|16|40)>|<RTX A\d{4}>|<RTX 30\d0>", 3, 4),  # Ampere (A40, RTX A6000, RTX 3090: NVLink 3 bridges)
+        (r"<L(4|20|40)>|<RTX 40\d0>|<RTX \d{4} ADA", None, 4),  # Ada: PCIe Gen4, no NVLink
+        (r"<V100>|<TITAN V>", 2, 3),  # Volta
+        (r"<T4>|<RTX 20\d0>|<QUADRO RTX|<TITAN RTX", 2, 3),  # Turing (NVLink 2 bridges on some)
+        (r"<P100>", 1, 3),  # Pascal
+        (r"<P(4|6|40)>|<GTX 10\d0>|<TITAN XP?>", None, 3),
+    )
+)
+
 
 # --- AMD Infinity Fabric: MI300X datasheet, 7 links x 128 GB/s bidirectional -> 64 per direction ----
 XGMI_GBPS_PER_LINK = 64.0
@@ -169,3 +192,25 @@ def classify_token(token: str) -> tuple[LinkClass, int] | None:
     if token == "N/A":
         return LinkClass.UNKNOWN, 0
     return None
+
+
+def generations_for(model: str | None) -> tuple[int | None, int | None]:
+    """(NVLink generation, PCIe generation) of a GPU model name; None where the name is not in GPU_GENERATIONS."""
+    name = (model or "").upper()
+    for pattern, nvlink, pcie in GPU_GENERATIONS:
+        if pattern.search(name):
+            return nvlink, pcie
+    return None, None
+
+
+def fabric_for_models(models: Sequence[str | None], nvlink_gen: int | None = None, pcie_gen: int | None = None,
+                      network: str = "ib_ndr", nics_per_node: int = 8) -> Fabric:
+    """A Fabric whose generations not given follow the GPU models (the oldest where they differ), else the defaults."""
+    gens = [generations_for(m) for m in models]
+    known_nvlink = [nv for nv, _ in gens if nv is not None]
+    known_pcie = [pcie for _, pcie in gens if pcie is not None]
+    if nvlink_gen is None:
+        nvlink_gen = min(known_nvlink) if known_nvlink else DEFAULT_NVLINK_GEN
+    if pcie_gen is None:
+        pcie_gen = min(known_pcie) if known_pcie else DEFAULT_PCIE_GEN
+    return Fabric(nvlink_gen=nvlink_gen, pcie_gen=pcie_gen, network=network, nics_per_node=nics_per_node)

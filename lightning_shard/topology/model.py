@@ -182,11 +182,15 @@ class Topology:
         def num(x: float) -> float | None:
             return None if x == float("inf") else x
 
+        gpus = any(d.kind != "cpu" for d in self.devices)
+
         return {
             "name": self.name,
             "source": self.source,
             "nodes": self.num_nodes,
-            "fabric": {"nvlink_gen": self.fabric.nvlink_gen, "pcie_gen": self.fabric.pcie_gen, "network": self.fabric.network},
+            # no GPU (cpu presets, detection without one): no NVLink or PCIe generation to report
+            "fabric": {"nvlink_gen": self.fabric.nvlink_gen if gpus else None,
+                       "pcie_gen": self.fabric.pcie_gen if gpus else None, "network": self.fabric.network},
             "devices": [
                 {"index": d.index, "name": d.name, "node": d.node, "local_index": d.local_index, "kind": d.kind,
                  "model": d.model, "pci_bus_id": d.pci_bus_id, "uuid": d.uuid, "numa": d.numa, "cpu_affinity": d.cpu_affinity}

@@ -5,8 +5,8 @@ A preset is plain YAML (readable by pyyaml, composable by Hydra as the `topology
     name: hgx_h100_8            # must equal the file stem
     devices: 8
     model: NVIDIA H100 80GB HBM3
-    nvlink_gen: 4               # links.NVLINK_GBPS_PER_LINK
-    pcie_gen: 5                 # links.PCIE_X16_GBPS
+    nvlink_gen: 4               # links.NVLINK_GBPS_PER_LINK (default: from `model`, links.GPU_GENERATIONS, else 4)
+    pcie_gen: 5                 # links.PCIE_X16_GBPS (default: from `model`, else 4)
     expect_nvlink: true         # warn when a GPU shows PCIe only
     numa: [0, 0, 0, 0, 1, 1, 1, 1]
     uniform: NV18               # every off-diagonal cell ... or
@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from lightning_shard.topology.formats import ROCM, parse_rocm_smi, sniff
-from lightning_shard.topology.links import Fabric, LinkClass
+from lightning_shard.topology.links import Fabric, LinkClass, fabric_for_models
 from lightning_shard.topology.model import Device, Topology
 from lightning_shard.topology.parse import clean, parse_topo
 
@@ -86,8 +86,9 @@ def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
     prefix = "CPU" if kind == "cpu" else "GPU"
     devices = [Device(index=i, name=f"{prefix}{i}", local_index=i, kind=kind, model=cfg.get("model"), numa=numa[i])
                for i in range(n)]
-    fabric = Fabric(nvlink_gen=int(cfg.get("nvlink_gen", 4)), pcie_gen=int(cfg.get("pcie_gen", 4)),
-                    network=cfg.get("network", "ib_ndr"), nics_per_node=int(cfg.get("nics_per_node", 8)))
+    # generations not given follow the model (H100 / H200: PCIe Gen5, A100: Gen4, V100: Gen3), else the defaults
+    fabric = fabric_for_models([cfg.get("model")], _int_or_none(cfg.get("nvlink_gen")), _int_or_none(cfg.get("pcie_gen")),
+                               network=cfg.get("network", "ib_ndr"), nics_per_node=int(cfg.get("nics_per_node", 8)))
     topo = Topology.from_tokens(name, tokens, devices, fabric, bool(cfg.get("expect_nvlink", False)), source,
                                 extra_tokens=_EXTRA_TOKENS)
     nodes = int(cfg.get("nodes", 1))
@@ -95,6 +96,10 @@ def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
         topo = topo.replicate_nodes(nodes)
         topo.name = name
     return topo
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _row_tokens(row: str) -> list[str]:
@@ -108,6 +113,6 @@ def from_capture(path: str | Path, allow_partial: bool = False, fabric: Fabric |
     text = path.read_text(errors="replace")
     found = sniff(clean(text))
     if found and found[0] == ROCM:
-        return parse_rocm_smi(text, source=path.name, name=name or path.stem)
+        return parse_rocm_smi(text, source=path.name, name=name or path.stem, fabric=fabric)
     return parse_topo(text, source=path.name, allow_partial=allow_partial, fabric=fabric,
                       expect_nvlink=expect_nvlink, name=name or path.stem)
