@@ -257,8 +257,48 @@ def test_bad_checkpoints_are_named(worlds, tmp_path):
     rank1.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"rank00001.pt cannot be read safely"):
         lightning_checkpoint(Reader(trunc))
-    with pytest.raises(RuntimeError, match="does not match this model: missing"):
+    with pytest.raises(RuntimeError, match=r"is for another model: not in the checkpoint: body.bias, body.weight; "
+                                           r"in the checkpoint, not in this model: net.bn.bias"):
         worlds(2).run(_resume_other_model, str(src))
+
+
+def _resume_resized(kind: str, path: str) -> str:
+    """The zoo with one layer of another width resumes from ``path``: the error each rank raises."""
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_shard.core import collectives as C
+    from tests.ckpt_scenarios import make
+    from tests.zoo import RankMicroBatches, ZooModule, dataset
+
+    module = ZooModule("sgd")
+    module.net.frozen = nn.Linear(module.net.frozen.in_features, 2 * module.net.frozen.out_features)
+    world, rank = C.get_world_size(), C.get_rank()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=make(kind), max_steps=4, logger=False,
+                        accumulate_grad_batches=1, use_distributed_sampler=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    data = dataset(3, 1, world)
+    try:
+        trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), 1, world, rank)),
+                    ckpt_path=path)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.parametrize("saved", ["sharded", "full"])
+def test_a_checkpoint_of_another_shape_is_named_once_for_every_strategy(worlds, tmp_path, saved):
+    """Resuming a differently shaped model: rank 0 names the tensor and both shapes before anything is loaded
+    (was: zero3 'elements [65, 128) ... a rank file is missing', zero2 torch's raw size mismatch, on every rank)."""
+    worlds(2).run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "c"), state_dict_type=saved)
+    src = tmp_path / "c" / "epoch=0-step=3.ckpt"
+    assert src.is_dir() == (saved == "sharded")
+    for kind in ("zero0", "zero1", "zero2", "zero3", "fsdp"):
+        first, second = worlds(2).run(_resume_resized, kind, str(src))
+        assert first == (f"checkpoint {src} is for another model: net.frozen.weight [12, 6] here vs [6, 6] in the "
+                         f"checkpoint; net.frozen.bias [12] here vs [6] in the checkpoint"), (kind, first)
+        assert second == f"checkpoint {src} does not fit this model (rank 0's error names the differences)", kind
 
 
 def _resume_other_model(path: str) -> None:

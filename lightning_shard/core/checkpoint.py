@@ -223,3 +223,22 @@ class Reader:
             raise CheckpointError(f"{path} cannot be loaded safely with weights_only=True ({type(err).__name__}: "
                                   f"{err}). If it holds your own hyperparameter classes, register them with "
                                   "torch.serialization.add_safe_globals([...]).") from err
+
+
+def model_mismatch(here: dict[str, tuple[int, ...]], there: dict[str, tuple[int, ...]], strict: bool = True,
+                   limit: int = 5) -> Optional[str]:
+    """What differs between a model's tensors (``name -> full shape``) and a checkpoint's, in words; None when
+    the checkpoint fits. Shapes always count; missing and unexpected names only with ``strict``."""
+    shape = [k for k in here if k in there and tuple(here[k]) != tuple(there[k])]
+    missing = sorted(k for k in here if k not in there) if strict else []
+    unexpected = sorted(k for k in there if k not in here) if strict else []
+    if not (shape or missing or unexpected):
+        return None
+    parts = [f"{k} {list(here[k])} here vs {list(there[k])} in the checkpoint" for k in shape[:limit]]
+    if len(shape) > limit:
+        parts.append(f"{len(shape) - limit} more shapes differ")
+    for what, names in (("not in the checkpoint", missing), ("in the checkpoint, not in this model", unexpected)):
+        if names:
+            parts.append(f"{what}: {', '.join(names[:limit])}" + (f" and {len(names) - limit} more"
+                                                                    if len(names) > limit else ""))
+    return "; ".join(parts)

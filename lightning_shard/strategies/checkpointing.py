@@ -21,8 +21,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..core import collectives as C
-from ..core.checkpoint import CheckpointError, Reader, commit, data_dir_for, is_sharded_checkpoint, rank_file, \
-    write_rank_file, write_trainer_state
+from ..core.checkpoint import CheckpointError, Reader, commit, data_dir_for, is_sharded_checkpoint, model_mismatch, \
+    rank_file, write_rank_file, write_trainer_state
 from ..core.consolidate import lightning_checkpoint, model_state
 from ..core.engine_ckpt import collect_pieces
 
@@ -243,6 +243,7 @@ class CheckpointMixin:
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self._ckpt_path = checkpoint_path
         ckpt, self._reader = load_for_strategy(checkpoint_path)
         if ckpt is not None:
             trainer = getattr(self.lightning_module, "_trainer", None)
@@ -253,8 +254,40 @@ class CheckpointMixin:
         # weights_only=False executes arbitrary pickles). Own classes in hparams: torch.serialization.add_safe_globals
         return super().load_checkpoint(checkpoint_path, weights_only=True)
 
+    def _model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the module's state dict with its full shape (stage 3 parameters hold no elements
+        between steps: their shape comes from the engine's layout)."""
+        full: dict[int, tuple[int, ...]] = {}
+        if self.engine is not None:
+            for b in self.engine.buckets:
+                for p, slot in zip(b.params, b.layout.slots):
+                    full[id(p)] = tuple(slot.shape)
+        return {k: full.get(id(t), tuple(t.shape)) for k, t in self.lightning_module.state_dict(keep_vars=True).items()
+                if torch.is_tensor(t)}
+
+    def _check_fits(self, checkpoint: Any, strict: bool) -> None:
+        """Refuse a checkpoint of another model before anything is loaded, naming the differences (rank 0: the
+        other ranks raise too, with a one-line pointer, so the cause is printed once)."""
+        if self._reader is not None:
+            there = {k: tuple(v) for k, v in self._reader.shapes.items()}
+            for first, names in self._reader.meta.get("aliases", {}).items():
+                for n in names:
+                    if first in there:
+                        there[n] = there[first]
+            where = str(self._reader.path)
+        else:
+            there = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if torch.is_tensor(v)}
+            where = str(getattr(self, "_ckpt_path", "the checkpoint"))
+        problem = model_mismatch(self._model_shapes(), there, strict=strict)
+        if problem is None:
+            return
+        if C.get_rank() == 0:
+            raise CheckpointError(f"checkpoint {where} is for another model: {problem}")
+        raise CheckpointError(f"checkpoint {where} does not fit this model (rank 0's error names the differences)")
+
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         module = self.lightning_module
+        self._check_fits(checkpoint, strict)
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         if self._reader is not None:
             if self.engine is None or self.engine.controller is None:  # stages 0-2: the module takes full weights
