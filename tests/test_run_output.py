@@ -74,3 +74,28 @@ def test_summary_counts_progress_shows_steps_and_gathered_params_after_fit(world
         assert r["shapes"] == r["full_shapes"]
         assert "v_num" not in r["metrics"] and r["metrics"]["micro_batches"] == "6 (2/step)"
         assert r["total"] == 3 and r["description"].strip() == "steps"
+
+
+def test_every_knob_is_in_the_signature_and_documented_in_the_class_docstring():
+    """``help(Zero2Strategy)`` showed only ``(**kwargs)``: every knob a class accepts is now in its signature
+    (keyword-only, with its default) and has a line of text in its docstring."""
+    import inspect
+
+    from lightning_shard.strategies import (AutoStrategy, FSDPShardStrategy, Zero0Strategy, Zero1Strategy,
+                                            Zero2Strategy, Zero3Strategy)
+
+    lightning_args = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    for cls in (Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy, FSDPShardStrategy, AutoStrategy):
+        sig = inspect.signature(cls)
+        assert not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()), cls
+        knobs = set(cls.KNOBS) - lightning_args
+        assert knobs <= set(sig.parameters), (cls, knobs - set(sig.parameters))
+        doc = inspect.getdoc(cls)
+        lines = doc.splitlines()
+        for knob in knobs:
+            at = next((i for i, line in enumerate(lines) if line.startswith(f"{knob}=")), None)
+            assert at is not None, f"{cls.__name__}: {knob} not in the docstring"
+            assert lines[at + 1].startswith("    ") and lines[at + 1].strip(), f"{cls.__name__}.{knob}: no text"
+        assert sig.parameters["accumulation"].default == "auto"
+        assert cls().stage == {"Zero0Strategy": 0, "Zero1Strategy": 1}.get(cls.__name__, 2 if "Zero2" in
+                                                                              cls.__name__ else 3)

@@ -15,6 +15,8 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``overlap``       launch bucket reductions from gradient hooks during backward (default True).
 ``broadcast_buffers``  broadcast buffers (BatchNorm statistics) from rank 0 after every optimizer step.
 ``start_method``  ``"popen"`` (default, re-runs the script per rank like DDP), ``"fork"``, ``"spawn"``.
+``process_group_backend``  ``None`` (default: ``nccl`` on CUDA, ``gloo`` on CPU) or a backend name for
+                  ``torch.distributed.init_process_group``.
 ``timeout_s``     collective timeout in seconds (default 1800): a rank that died or stalled ends the job with an
                   error naming the collective instead of a hang.
 ``startup_timeout_s``  how long the ranks may take to find each other at start-up (default 1800): slow imports on
@@ -34,8 +36,9 @@ Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*
 ``state_dict_type``  ``"sharded"`` (default: each rank writes its shards into a checkpoint directory, committed
                   atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.
 ``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
-                  cache-friendly on CPU. ``overlap_param_gather``: zero1/zero2 all-gather updated parameters in
-                  the background after the step; each module waits for its own bucket in its forward (default True).
+                  cache-friendly on CPU.
+``overlap_param_gather``  zero1/zero2 all-gather updated parameters in the background after the step; each
+                  module waits for its own bucket in its forward (default True).
 ``find_unused_parameters``  ``True`` (default): parameters that got no gradient on any rank in a window are left
                   out of the step exactly as torch leaves a parameter whose ``.grad`` is None (no momentum, weight
                   decay or Adam step), so the result is that of one process; costs one all-reduce of one byte per
@@ -65,6 +68,7 @@ from ..core import collectives as C
 from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
 from .checkpointing import CheckpointMixin, STATE_DICT_TYPES
 from . import summary
+from .knobs import describe
 from .layout import Groups, check_job_placement, make_groups, resolve_topology, validate_shard_size
 from .precision import ShardedPrecision
 
@@ -86,9 +90,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     strategy_name = "zero"
     KNOBS: tuple[str, ...] = BASE_KNOBS
     STAGES: tuple[int, ...] = (0, 1, 2)
+    DEFAULT_STAGE = 2  # ``stage=None``: the class's own (0/1/2 for zero0/1/2)
     ACCUMULATION: tuple[str, ...] = ACCUMULATION
 
-    def __init__(self, stage: int = 2, accumulation: str = "auto", bucket_mb: float = 25.0,
+    def __init__(self, stage: Optional[int] = None, accumulation: str = "auto", bucket_mb: float = 25.0,
                  reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
                  start_method: str = "popen", process_group_backend: Optional[str] = None,
                  timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
@@ -105,6 +110,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
                             f"{', '.join(self.KNOBS)}")
+        if stage is None:
+            stage = self.DEFAULT_STAGE
         if stage not in self.STAGES:
             raise ValueError(f"stage must be one of {self.STAGES} for {type(self).__name__}, got {stage!r}"
                              + ("; use Zero3Strategy or FSDPShardStrategy for stage 3" if stage == 3 else ""))
@@ -358,31 +365,26 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         super().teardown()
 
 
-
 class Zero0Strategy(ZeroStrategy):
     """Plain data parallel on the same engine (all-reduce, replicated optimizer): the honest baseline."""
 
     strategy_name = "zero0"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(stage=kwargs.pop("stage", 0), **kwargs)
+    DEFAULT_STAGE = 0
 
 
 class Zero1Strategy(ZeroStrategy):
     """ZeRO-1: optimizer state sharded; reduce-scatter gradients, all-gather parameters."""
 
     strategy_name = "zero1"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(stage=kwargs.pop("stage", 1), **kwargs)
+    DEFAULT_STAGE = 1
 
 
 class Zero2Strategy(ZeroStrategy):
     """ZeRO-2: optimizer state and gradients sharded."""
 
     strategy_name = "zero2"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(stage=kwargs.pop("stage", 2), **kwargs)
+    DEFAULT_STAGE = 2
 
 
+for _cls in (ZeroStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy):
+    describe(_cls, __doc__)

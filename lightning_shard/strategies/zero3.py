@@ -33,6 +33,8 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ..core.deferred import DeferredInit, has_meta_tensors
 from ..core.engine import UnitConfig
+from . import zero as _zero
+from .knobs import describe
 from .zero import BASE_KNOBS, ZeroStrategy
 
 ZERO3_KNOBS = BASE_KNOBS + ("reshard_after_forward", "prefetch_depth", "param_init_fn", "leaf_modules")
@@ -58,6 +60,7 @@ class Zero3Strategy(ZeroStrategy):
     strategy_name = "zero3"
     KNOBS = ZERO3_KNOBS
     STAGES = (3,)
+    DEFAULT_STAGE = 3
     ACCUMULATION = ACCUMULATION3
     GRANULARITY = "zero3"
 
@@ -190,3 +193,7 @@ class FSDPShardStrategy(Zero3Strategy):
         cfg.wrap_classes = list(self.wrap_classes) if isinstance(self.wrap_classes, (list, tuple)) else self.wrap_classes
         cfg.min_params = self.min_params
         return cfg
+
+
+for _cls in (Zero3Strategy, FSDPShardStrategy):
+    describe(_cls, _zero.__doc__, __doc__)
