@@ -46,9 +46,11 @@ def straight(tmp_path_factory):
 def test_killed_rank_ends_the_job_and_last_checkpoint_resumes_exactly(tmp_path, straight):
     code, output, seconds = run_job("kill", tmp_path)
     assert code != 0
-    assert any(s in output for s in ("Connection closed", "Connection reset", "connection", "Broken pipe")), \
-        output[-3000:]
-    assert seconds < 200  # ended on its own, long before the test's limit
+    assert "RANK1 STEP 5" in output, output[-3000:]  # rank 1 got to the step where it kills itself
+    # rank 0's error is the library's, naming the collective that lost its peer, with gloo's reason
+    assert "rank 0: the gradient reduction of bucket" in output and "failed" in output, output[-3000:]
+    assert any(s in output for s in ("Connection closed", "Connection reset", "Broken pipe")), output[-3000:]
+    assert "waiting for clients" not in output and "DistStoreError" not in output  # not the start-up
     assert (tmp_path / "last.ckpt" / "meta.json").is_file()
     code, output, _ = run_job("resume", tmp_path)
     assert code == 0, output[-3000:]
@@ -66,7 +68,7 @@ def test_stalled_rank_times_out_with_a_readable_error(tmp_path):
     assert "the gradient reduction of bucket" in output and "failed" in output, output[-3000:]
     assert "Timed out waiting 10000ms" in output, output[-3000:]  # the collective timeout, in gloo's words
     assert "waiting for clients" not in output and "DistStoreError" not in output
-    assert seconds < 200  # the 300 s stall did not hold the job: the 10 s collective timeout ended it
+    assert seconds < 300  # the job ended before the stalled rank woke up (its stall is 300 s)
 
 
 class _Evil:
