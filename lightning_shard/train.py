@@ -161,15 +161,21 @@ def check_ckpt_path(cfg: DictConfig) -> None:
     resolve_ckpt_path(cfg)
 
 
-def save_final_checkpoint(trainer: L.Trainer) -> Optional[str]:
-    """Make ``checkpoints/last.ckpt`` hold the final step (Lightning's callback saves on its own schedule)."""
-    cb = trainer.checkpoint_callback
-    if cb is None or not getattr(cb, "save_last", False) or cb.dirpath is None:
-        return None
-    path = os.path.join(cb.dirpath, LAST)
-    if getattr(cb, "_last_global_step_saved", None) != trainer.global_step or not os.path.exists(path):
-        trainer.save_checkpoint(path)  # collective: every rank runs this
-    return path
+class FinalCheckpoint(L.Callback):
+    """Makes ``checkpoints/last.ckpt`` hold the final step: Lightning's ``ModelCheckpoint`` saves on its own
+    schedule (``every_n_train_steps``), so a run whose last step is not on it would resume from an older one.
+    Saved in ``on_train_end``, while the strategy still holds its shards (sharded format)."""
+
+    def __init__(self) -> None:
+        self.path: Optional[str] = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cb = trainer.checkpoint_callback
+        if cb is None or not getattr(cb, "save_last", False) or cb.dirpath is None:
+            return
+        self.path = os.path.join(cb.dirpath, LAST)
+        if getattr(cb, "_last_global_step_saved", None) != trainer.global_step or not os.path.exists(self.path):
+            trainer.save_checkpoint(self.path)  # collective: every rank runs this hook
 
 
 def build_trainer_kwargs(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
@@ -306,7 +312,8 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     loggers = build_loggers(cfg)
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
     ckpt_path = resolve_ckpt_path(cfg)
-    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir)],
+    final = FinalCheckpoint()
+    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir), final],
                         logger=loggers or False, **build_trainer_kwargs(cfg, accumulate))
     if ckpt_path is not None:
         rank_zero_info(f"lightning_shard.train: resuming from {ckpt_path}")
@@ -323,7 +330,7 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         return {}
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    last_ckpt = save_final_checkpoint(trainer)
+    last_ckpt = final.path
     last_val_step = comm.val_losses[-1][0] if comm.val_losses else None
     if cfg.final_validation and last_val_step != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)

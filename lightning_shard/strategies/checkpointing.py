@@ -227,6 +227,10 @@ class CheckpointMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._sharded():
+            if Path(filepath).is_dir():  # Lightning would leave a temp file inside it and the folder unreadable
+                raise CheckpointError(f"{filepath} is a sharded checkpoint folder; a full checkpoint file cannot "
+                                      "replace it. Save to another path (after fit the module is whole and saves "
+                                      "as one file), or save during fit to keep the sharded format.")
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         trainer = getattr(self.lightning_module, "_trainer", None)
         save_sharded(self.engine, checkpoint, filepath, type(self).strategy_name,
