@@ -50,12 +50,9 @@ def test_help_and_topo_import_no_torch(argv):
         assert json.loads(got["out"])["fabric"]["pcie_gen"] == 5
 
 
-@pytest.mark.xfail(strict=True, reason="lightning_shard/planner/__init__.py and planner/models.py import torch at "
-                                       "module level (planner files: not changed here); remove this mark once they "
-                                       "import it lazily")
 def test_plan_help_imports_no_torch():
-    got = _modules_after(["plan", "--help"])
-    assert got["rc"] == 0 and "--global-batch" in got["out"] and got["loaded"] == []
+    got = _modules_after(["plan", "--help"])  # the planner package itself loads (its options), torch does not
+    assert got["rc"] == 0 and "--global-batch" in got["out"] and got["loaded"] == ["lightning_shard.planner"]
 
 
 def test_import_package_loads_no_torch_and_strategies_still_register():

@@ -89,7 +89,7 @@ POLICIES3 = ["per_micro_batch", "keep_unsharded_grads", "keep_params"]
 def test_stage3_bytes_equal_ledger(worlds, world, acc, name, policy):
     kw = STAGE3[name]
     results = worlds(world).run(fit_zero, 3, policy, acc, steps=STEPS, model="tiny_lm", strategy_kwargs=kw)
-    cfg = _cfg(3, "defer" if policy == "keep_unsharded_grads" else policy, **kw)
+    cfg = _cfg(3, policy, **kw)
     _check(results, "tiny_lm", cfg, world, acc)
 
 
@@ -116,7 +116,7 @@ def test_hybrid_bytes_equal_ledger(worlds, stage, policy, extra):
     results = worlds(4).run(fit_zero, stage, policy, acc, steps=STEPS, model="tiny_lm",
                             strategy_kwargs=dict(HYBRID, **extra))
     assert results[0]["axes"] == {"replicate": 2, "shard": 2}
-    cfg = _cfg(stage, "defer" if policy == "keep_unsharded_grads" else policy, shard_size=2, **extra)
+    cfg = _cfg(stage, policy, shard_size=2, **extra)
     _check(results, "tiny_lm", cfg, 4, acc)
 
 
@@ -132,7 +132,7 @@ def test_model_state_memory_within_5_percent(worlds, stage, policy, extra, preci
     world, acc = 2, 3
     results = worlds(world).run(fit_zero, stage, policy, acc, steps=STEPS, model="tiny_lm", optimizer="adam",
                                 precision=precision, strategy_kwargs=extra)
-    cfg = _cfg(stage, "defer" if policy == "keep_unsharded_grads" else policy, **extra)
+    cfg = _cfg(stage, policy, **extra)
     for rank, res in enumerate(results):
         module = make_module("tiny_lm", optimizer="adam")
         job = Job(world=world, accumulation=acc, precision=precision, optimizer="adam")

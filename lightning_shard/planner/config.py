@@ -1,7 +1,9 @@
 """What the planner is asked about: a strategy configuration and a job (world, batch, precision).
 
 ``StrategyConfig`` mirrors the registered strategies' knobs (``strategies/zero.py``, ``strategies/zero3.py``)
-without importing Lightning; ``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes.
+without importing Lightning; ``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes, with the
+strategies' own accumulation names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``).
+tests/test_planner_advice.py builds every planned row with the real classes, so the mirror cannot drift.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, 
     "bf16-true": (torch.bfloat16, 2, False),
     "16-true": (torch.float16, 2, True),
 }
+# accumulation policies per stage, named as the strategies accept them (strategies/zero.py ACCUMULATION,
+# strategies/zero3.py ACCUMULATION3; zero0/zero1 hold full gradients, so only zero2 has per_micro_batch)
 POLICIES = {0: ("defer",), 1: ("defer",), 2: ("defer", "per_micro_batch"),
             3: ("per_micro_batch", "keep_unsharded_grads", "keep_params")}
+STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}  # registered name -> ZeRO stage
+HYBRID_NAMES = ("zero2", "zero3", "fsdp_shard")  # those with a registered <name>_hybrid (conf/strategy too)
 
 
 def check_precision(precision: str) -> None:
@@ -31,7 +37,7 @@ def check_precision(precision: str) -> None:
 class StrategyConfig:
     strategy: str  # registered name: zero0 | zero1 | zero2 | zero3 | fsdp_shard
     stage: int
-    policy: str = "defer"
+    policy: Optional[str] = None  # None: the deferring policy ("defer", at stage 3 "keep_unsharded_grads")
     reshard_after_forward: bool = True
     shard_size: Optional[int] = None  # hybrid: ranks per shard group (None: shard over the world)
     wrap_classes: Any = None  # fsdp_shard
@@ -42,9 +48,17 @@ class StrategyConfig:
     overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES[self.stage] and not (self.stage == 3 and self.policy == "defer"):
-            raise ValueError(f"accumulation policy {self.policy!r} does not exist for stage {self.stage}: "
-                             f"use one of {POLICIES[self.stage]}")
+        if STAGE_OF.get(self.strategy) != self.stage:
+            raise ValueError(f"strategy {self.strategy!r} with stage {self.stage}: the planner knows "
+                             + ", ".join(f"{k} (stage {v})" for k, v in STAGE_OF.items()))
+        if self.policy is None:
+            object.__setattr__(self, "policy", "keep_unsharded_grads" if self.stage == 3 else "defer")
+        if self.policy not in POLICIES[self.stage]:
+            hint = "; stage 3 calls deferring 'keep_unsharded_grads'" if self.policy == "defer" else ""
+            raise ValueError(f"accumulation policy {self.policy!r} does not exist for {self.strategy} (stage "
+                             f"{self.stage}): use one of {POLICIES[self.stage]}{hint}")
+        if self.shard_size is not None and self.stage == 0:
+            raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
     @property
     def granularity(self) -> str:
@@ -55,13 +69,18 @@ class StrategyConfig:
         return self.policy == "per_micro_batch"
 
     @property
+    def registered(self) -> str:
+        """The registry name (``Trainer(strategy=...)``) and Hydra option (``strategy=...``) of this row."""
+        return self.strategy + ("_hybrid" if self.shard_size and self.strategy in HYBRID_NAMES else "")
+
+    @property
     def label(self) -> str:
         name = self.strategy + ("_hybrid" if self.shard_size else "")
         extra = "" if self.stage < 3 or self.reshard_after_forward else ", no reshard"
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
-        """Knobs for the registered strategy class (``shard_size``/``topology`` filled by the caller)."""
+        """Keywords of the registered strategy class (``topology`` is the caller's: ``advice.strategy_kwargs``)."""
         out: dict[str, Any] = {"accumulation": self.policy}
         if self.stage < 3:
             out["bucket_mb"] = self.bucket_mb

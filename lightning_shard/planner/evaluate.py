@@ -38,7 +38,7 @@ class PlanRow:
         return self.config.label
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.config.strategy, "label": self.label, "kwargs": self.config.kwargs(),
+        return {"strategy": self.config.registered, "label": self.label, "kwargs": self.config.kwargs(),
                 "memory_per_rank": self.memory, "model_states": self.states, "zero_paper_bytes": self.zero_paper,
                 "fits": self.fits, "bytes_per_step": self.traffic, "step_time_s": self.time.total,
                 "compute_s": self.time.compute, "exposed_comm_s": self.time.exposed_comm,
@@ -94,12 +94,14 @@ def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
 
 
 def island_shard_size(placement: JobPlacement) -> Optional[int]:
-    """Hybrid layout of the job: ranks per island (or per node), when the job spans several equal ones."""
+    """Hybrid layout of the job: ranks per island (or per node), when the job spans several equal ones; None
+    when neither gives more than one rank per shard group and more than one group."""
     topo = placement.topology
     keys = [(topo.devices[d].node, topo.island_index(d)) for d in placement.devices]
     sizes = [keys.count(k) for k in dict.fromkeys(keys)]
-    if len(sizes) > 1 and len(set(sizes)) == 1:
+    if len(sizes) > 1 and len(set(sizes)) == 1 and sizes[0] > 1:
         return sizes[0]
+    # islands of one device (PCIe-only GPUs): shard inside each node instead, replicate across nodes
     nodes = [topo.devices[d].node for d in placement.devices]
     per_node = [nodes.count(n) for n in dict.fromkeys(nodes)]
     if len(per_node) > 1 and len(set(per_node)) == 1:
@@ -114,7 +116,7 @@ def candidates(module: nn.Module, placement: JobPlacement, accumulation: int) ->
     out = [StrategyConfig("zero0", 0), StrategyConfig("zero1", 1), StrategyConfig("zero2", 2)]
     if multi:
         out.append(StrategyConfig("zero2", 2, "per_micro_batch"))
-    policies3 = ["per_micro_batch", "defer", "keep_params"] if multi else ["per_micro_batch"]
+    policies3 = ["per_micro_batch", "keep_unsharded_grads", "keep_params"] if multi else ["per_micro_batch"]
     out += [StrategyConfig("zero3", 3, p) for p in policies3]
     if has_blocks:
         for reshard in (True, False):

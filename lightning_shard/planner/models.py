@@ -9,11 +9,12 @@ class (learned positions, tied head, 4x GELU MLP), so their parameter counts are
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
 import yaml
-from torch import nn
+
+if TYPE_CHECKING:
+    from torch import nn
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "conf" / "recipe"
 SIZES = {  # name: (n_layer, n_embd, n_head, block_size, vocab_size)
@@ -26,6 +27,8 @@ _BY_PARAMS = [(125e6, 12, 768), (350e6, 24, 1024), (1.3e9, 24, 2048), (2.7e9, 32
 
 
 def build_gpt(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> nn.Module:
+    import torch
+
     from recipes.gpt import GPT  # recipes never import core; the planner may import recipes
 
     with torch.device("meta"):

@@ -31,21 +31,31 @@ class PlanResult:
     runner_up: Optional[PlanRow]
     reason: str
     context: Context
+    topology_spec: Optional[str] = None  # what the topology was asked as: a preset name, a capture path, "detect"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, recipe: Optional[str] = None) -> dict[str, Any]:
+        """JSON-ready; every row carries the Hydra overrides and the Python constructor that run it (advice.py)."""
+        from .advice import python_constructor, reproduce, strategy_overrides
+
         ctx = self.context
-        return {"topology": ctx.placement.topology.name, "world": ctx.job.world, "device": ctx.device.name,
+        rows = []
+        for r in self.rows:
+            imp, ctor = python_constructor(self, r)
+            rows.append({**r.to_dict(), "hydra_strategy_overrides": strategy_overrides(self, r),
+                         "python": {"import": imp, "strategy": ctor}})
+        return {"topology": ctx.placement.topology.name, "topology_spec": self.topology_spec, "world": ctx.job.world,
+                "devices": list(ctx.placement.devices), "device": ctx.device.name,
                 "device_memory_bytes": ctx.device.memory_bytes, "params": ctx.psi,
                 "accumulation": ctx.job.accumulation, "micro_batch": ctx.job.micro_batch, "seq": ctx.job.seq,
                 "precision": ctx.job.precision, "activations_bytes": ctx.activations,
                 "recommended": self.best.label, "runner_up": self.runner_up.label if self.runner_up else None,
-                "reason": self.reason, "rows": [r.to_dict() for r in self.rows]}
+                "reason": self.reason, "reproduce": reproduce(self, recipe=recipe).to_dict(), "rows": rows}
 
 
 @dataclass
 class Recommendation:
-    strategy_name: str
-    kwargs: dict[str, Any]
+    strategy_name: str  # registered name (``StrategyConfig.registered``): zero0 ... fsdp_shard, <name>_hybrid
+    kwargs: dict[str, Any]  # the registered class's keywords (``StrategyConfig.kwargs()``)
     reason: str
     table: list[dict[str, Any]]
 
@@ -95,17 +105,19 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
         raise ValueError(nothing_fits(ctx, rows))
     ok = ok or sorted(rows, key=lambda r: r.time.total)
     # within TIE of the fastest, the leanest wins: the same speed with more memory headroom
-    near = [r for r in ok if r.time.total <= ok[0].time.total * (1 + TIE)]
+    near = [r for r in ok if r.time.total <= ok[0].time.total * (1 + TIE)]  # explained by cli_plan.legend
     best = min(near, key=lambda r: r.memory["total"])
     rest = [r for r in ok if r is not best]
     runner = rest[0] if rest else None
-    reason = (f"{best.label}: fastest that fits ({best.time.total:.3f} s/step, {_gib(best.memory['total'])} of "
-              f"{_gib(spec.memory_bytes)} per rank" + (f"; within {TIE:.0%} of the fastest, the leanest" if
-                                                        len(near) > 1 else "") + ")")
+    lead = ("fastest that fits" if len(near) == 1 else
+            f"leanest of the {len(near)} within {TIE:.0%} of the fastest that fits")
+    reason = (f"{best.label}: {lead} ({best.time.total:.3f} s/step, {_gib(best.memory['total'])} of "
+              f"{_gib(spec.memory_bytes)} per rank)")
     if runner is not None:
         reason += (f"; runner-up {runner.label}: {runner.time.total / best.time.total:.2f}x the step time, "
                    f"{_gib(runner.memory['total'])} per rank")
-    return PlanResult(rows, best, runner, reason, ctx)
+    asked = topology if isinstance(topology, str) else ("cpu" if topology is None else None)
+    return PlanResult(rows, best, runner, reason, ctx, asked)
 
 
 def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:
@@ -139,10 +151,7 @@ def recommend_for(module: nn.Module, optimizer_groups_or_none: Any, topology: Un
     """For ``strategy=auto`` at setup: the registered strategy name, its kwargs, the reason and the table."""
     res = plan(module, topology, world_size, global_batch, micro_batch, precision, optimizer_groups_or_none, **kw)
     cfg = res.best.config
-    kwargs = cfg.kwargs()
-    if cfg.shard_size:
-        kwargs["shard_size"] = cfg.shard_size
-    return Recommendation(cfg.strategy, kwargs, res.reason, [r.to_dict() for r in res.rows])
+    return Recommendation(cfg.registered, cfg.kwargs(), res.reason, [r.to_dict() for r in res.rows])
 
 
 def auto_policy(stage: int, accumulation: int, grad_bytes: float, free_bytes: Optional[float] = None,

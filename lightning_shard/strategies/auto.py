@@ -1,10 +1,13 @@
 """``strategy=auto`` (registered as ``zero_auto``: Lightning reserves the name "auto" for its own default).
 
 At setup the planner (``lightning_shard.planner``) scores every strategy, accumulation policy and hybrid
-layout for this model on this machine's topology and world size, and the fastest that fits memory is built;
-the table is logged once on rank 0 with the reason and the runner-up. Knobs: those of the stage-3 strategies
-plus ``global_batch_size`` / ``micro_batch_size`` (the planner's compute estimate; by default derived from
-``accumulate_grad_batches`` with micro-batch 1), and ``topology`` (default ``"detect"``).
+layout for this model on this machine's topology and world size, and builds the row that
+``lightning-shard plan`` marks recommended for the same inputs (``recommend()``, then ``apply()``; checked by
+tests/test_planner_advice.py); the table is logged once on rank 0 with the reason and the runner-up.
+Knobs: those of the stage-3 strategies plus these, and ``topology`` (default ``"detect"``):
+
+``global_batch_size`` / ``micro_batch_size``  the batch the planner's compute estimate assumes; by default
+                  derived from ``accumulate_grad_batches`` with micro-batch 1.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Any, Optional
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from . import zero as _zero
+from . import zero3 as _zero3
+from .knobs import describe
 from .layout import make_groups, resolve_topology
 from .zero3 import ZERO3_KNOBS, Zero3Strategy
 
@@ -50,16 +56,20 @@ class AutoStrategy(Zero3Strategy):
             self._choose(trainer)
         super().setup(trainer)
 
-    def _choose(self, trainer: Any) -> None:
+    def recommend(self, accumulate_grad_batches: int = 1) -> Any:
+        """The planner's choice for this model, machine, world and batch: what ``lightning-shard plan`` prints
+        as recommended for the same inputs (``planner.recommend_for``). No side effects, no collectives."""
         from ..planner import recommend_for
 
-        acc = int(trainer.accumulate_grad_batches or 1)
         micro = self.micro_batch_size or 1
-        global_batch = self.global_batch_size or micro * acc * self.world_size
+        global_batch = self.global_batch_size or micro * accumulate_grad_batches * self.world_size
         topology = resolve_topology(self.topology_spec, self.num_processes)
-        rec = recommend_for(self.lightning_module, None, topology, self.world_size, global_batch, micro,
-                            self.precision_plugin.precision)
-        self.recommendation = rec
+        return recommend_for(self.lightning_module, None, topology, self.world_size, global_batch, micro,
+                             self.precision_plugin.precision)
+
+    def apply(self, rec: Any) -> None:
+        """Become the recommended strategy: its stage, unit granularity and every knob of the planned row
+        (the hybrid process groups are made by ``_choose``, collectively)."""
         name, kw = rec.strategy_name, dict(rec.kwargs)
         self.stage = STAGE_OF[name]
         self.GRANULARITY = "fsdp" if name.startswith("fsdp") else "zero3"
@@ -70,9 +80,19 @@ class AutoStrategy(Zero3Strategy):
         shard = kw.pop("shard_size", None)
         if shard:
             self.shard_size = shard
-            self._groups = make_groups(shard, topology, self.world_size, self.num_nodes, self.global_rank, self.stage,
-                                       self._timeout)
-        rank_zero_info(f"lightning_shard strategy=auto chose {name} ({rec.reason})")
+        if kw:
+            raise ValueError(f"strategy=auto cannot apply the planner's knobs {sorted(kw)} for {name}: the planner "
+                             "and strategies/auto.py disagree (a bug; please report it)")
+        self.recommendation = rec
+
+    def _choose(self, trainer: Any) -> None:
+        rec = self.recommend(int(trainer.accumulate_grad_batches or 1))
+        self.apply(rec)
+        if rec.kwargs.get("shard_size"):
+            topology = resolve_topology(self.topology_spec, self.num_processes)
+            self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
+                                       self.stage, self._timeout)
+        rank_zero_info(f"lightning_shard strategy=auto chose {rec.strategy_name} ({rec.reason})")
         for row in rec.table:
             rank_zero_info("  " + ", ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))
 
@@ -80,3 +100,6 @@ class AutoStrategy(Zero3Strategy):
         if self.accumulation != "auto":
             return self.accumulation, f"chosen by strategy=auto ({type(self).strategy_name})"
         return super()._resolve_accumulation(trainer) if self.stage == 3 else ("defer", "stage <= 2")
+
+
+describe(AutoStrategy, _zero.__doc__, _zero3.__doc__, __doc__)
