@@ -102,14 +102,14 @@ def render(res: Any, recipe: Optional[str] = None) -> None:
     title = (f"{ctx.placement.topology.name}: {ctx.job.world} x {ctx.device.name}, {ctx.psi / 1e9:.2f}B params, "
              f"{ctx.job.precision}, micro-batch {ctx.job.micro_batch} x {ctx.job.seq} tokens, "
              f"accumulation {ctx.job.accumulation}")
-    t = Table(title=title)
+    t = Table(title=escape(title))  # names come from presets and capture files: never rich markup
     for col in ("strategy", "GiB/rank", "fits", "GB intra-island", "GB inter-island", "GB inter-node",
                 "step s", "exposed comm s", "tokens/s"):
         t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
     for row in sorted(res.rows, key=lambda r: r.time.total):
         star = " *" if row is res.best else (" 2nd" if row is res.runner_up else "")
         style = "bold green" if row is res.best else (None if row.fits else "dim")
-        t.add_row(row.label + star, _gib(row.memory["total"]), "yes" if row.fits else "NO",
+        t.add_row(escape(row.label + star), _gib(row.memory["total"]), "yes" if row.fits else "NO",
                   _gb(row.traffic["intra-island"]), _gb(row.traffic["inter-island"]), _gb(row.traffic["inter-node"]),
                   f"{row.time.total:.3f}", f"{row.time.exposed_comm:.3f}", f"{row.tokens_per_s:,.0f}", style=style)
     console = Console(width=160)
