@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import re
 import textwrap
-from typing import Any, Optional
+from typing import Optional
 
 # Lightning's own Strategy arguments, accepted for Lightning's sake and not knobs of ours
 _LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
