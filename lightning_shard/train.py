@@ -345,16 +345,32 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     return summary
 
 
+def _short(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (``.venv/bin/python``)."""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
 def print_next_steps(out_dir: str, last_ckpt: Optional[str], module: Any) -> None:
     """The run folder and what to do with what it holds (printed by rank 0 at the end of a run)."""
     lines = [f"run folder: {out_dir}  (summary.json, train.log; per-rank logs train_ddp_process_<rank>.log)"]
     if last_ckpt is not None:
         # recipes hold the bare network as ``self.model``: its keys are the module's minus "model."
         prefix = "model." if isinstance(getattr(module, "model", None), torch.nn.Module) else ""
-        lines += [f"checkpoint: {last_ckpt}  (sharded: one folder, every rank's part)",
-                  "  resume:      python -m lightning_shard.train <same overrides> ckpt_path=last "
+        python = _short(sys.executable)
+        tool = Path(sys.executable).with_name("lightning-shard")
+        tool_cmd = _short(str(tool)) if tool.exists() else "lightning-shard"
+        task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        kept = [o for o in task if not o.startswith(("ckpt_path=", "hydra.", "trainer.max_steps="))]
+        # "last" searches the sibling folders of the default run folder; a run folder of one's own: its path
+        own_dir = HydraConfig.initialized() and any(o.startswith("hydra.run.dir=")
+                                                    for o in HydraConfig.get().overrides.hydra)
+        resume_from = last_ckpt if own_dir else "last"
+        kind = "sharded: one folder, every rank's part" if os.path.isdir(last_ckpt) else "one file"
+        lines += [f"checkpoint: {last_ckpt}  ({kind})",
+                  f"  resume:      {' '.join([python, '-m', 'lightning_shard.train', *kept])} ckpt_path={resume_from} "
                   "trainer.max_steps=<more>",
-                  f"  consolidate: lightning-shard consolidate {last_ckpt} model.pt"
+                  f"  consolidate: {tool_cmd} consolidate {last_ckpt} model.pt"
                   + (f" --strip-prefix {prefix}" if prefix else "")]
     print("\n".join(lines))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,16 @@ def test_main_job_path_popen(tmp_path):
     assert "Initializing distributed: GLOBAL_RANK: 0" in logs and "accumulation=" in logs
     assert "GLOBAL_RANK: 1" in (whole / "train_ddp_process_1.log").read_text()
     assert s["checkpoint"] == str(whole / "checkpoints" / "last.ckpt") and s["resumed_from"] is None
-    assert f"consolidate: lightning-shard consolidate {s['checkpoint']} model.pt --strip-prefix model." in proc.stdout
+    printed = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in proc.stdout.splitlines()
+               if line.startswith("  ") and line.strip().startswith(("resume:", "consolidate:"))}
+    assert printed["resume"] == (f"{os.path.relpath(sys.executable, ROOT)} -m lightning_shard.train {' '.join(quiet)} "
+                                 f"ckpt_path={s['checkpoint']} trainer.max_steps=<more>")  # own run folder: its path
+    consolidate = shlex.split(printed["consolidate"])  # run as printed (from the repository root, as the user is)
+    assert consolidate[-3:] == ["model.pt", "--strip-prefix", "model."] and s["checkpoint"] in consolidate
+    done = subprocess.run(consolidate[:-3] + [str(tmp_path / "printed.pt")] + consolidate[-2:], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.startswith("wrote "), done.stderr[-2000:]
+    assert (tmp_path / "printed.pt").is_file()
 
     # the same 4 steps as 2 + a resumed 2: same weights, and consolidate -> the bare network loads them
     first, second = tmp_path / "split" / "a", tmp_path / "split" / "b"
