@@ -1,17 +1,27 @@
-"""Dependency direction (DESIGN.md section 3), checked on the import statements of every module."""
+"""Dependency direction (DESIGN.md section 3), checked on the import statements of every module (top-level and
+inside functions) and on the attribute chains that reach ``torch.distributed`` without an import.
+
+The layer map: core imports torch only (and the core); topology imports no torch, no Lightning and no other
+layer; planner and topology never import the strategies or the app; recipes never import the core; only
+``train.py`` imports Hydra; only ``core/collectives.py`` calls ``torch.distributed`` (its ``checkpoint``
+package is allowed where checkpoints live: core/checkpoint.py, core/engine_ckpt.py, strategies/checkpointing.py).
+Each rule is also checked against a made-up module that breaks it, so a rule that cannot fail is caught."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lightning_shard"
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, source: Optional[str] = None) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -36,14 +46,6 @@ def test_core_imports_torch_only():
                 assert name.startswith("lightning_shard.core"), f"{f}: core must not import {name}"
 
 
-def test_only_collectives_calls_torch_distributed():
-    for f in _files("lightning_shard") + _files("recipes"):
-        if f.name == "collectives.py" and f.parent.name == "core":
-            continue
-        for name in _imports(f):
-            assert not name.startswith("torch.distributed"), f"{f}: imports {name}; go through core/collectives.py"
-
-
 def test_hydra_only_in_train():
     for f in _files("lightning_shard"):
         if f.name == "train.py" and f.parent == PKG:
@@ -62,3 +64,93 @@ def test_no_pytorch_lightning_namespace():
     for f in _files("lightning_shard") + _files("recipes"):
         for name in _imports(f):
             assert not name.startswith("pytorch_lightning"), f"{f}: use the `lightning` package"
+
+
+CHECKPOINT_FILES = {"core/checkpoint.py", "core/engine_ckpt.py", "strategies/checkpointing.py"}
+_THIRD_PARTY_HEAVY = ("torch", "lightning", "pytorch_lightning", "hydra", "omegaconf")
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _distributed_calls(source: str) -> set[str]:
+    """``torch.distributed.X`` reached through attributes (``import torch`` then ``torch.distributed.barrier()``)."""
+    return {d for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            if (d := _dotted(node)) and d.startswith("torch.distributed.")}
+
+
+def _rel(f: Path) -> str:
+    return str(f.relative_to(PKG)) if PKG in f.parents else str(f.relative_to(ROOT))
+
+
+def topology_violations(f: Path, source: Optional[str] = None) -> list[str]:
+    bad = []
+    for name in _imports(f, source):
+        top = name.split(".")[0]
+        if top in _THIRD_PARTY_HEAVY:
+            bad.append(f"{_rel(f)}: topology imports {name} (it describes machines without torch)")
+        if top == "lightning_shard" and not name.startswith("lightning_shard.topology"):
+            bad.append(f"{_rel(f)}: topology imports {name} (the bottom layer imports no other)")
+    return bad
+
+
+def upward_violations(f: Path, source: Optional[str] = None) -> list[str]:
+    return [f"{_rel(f)}: imports {name} (planner and topology never import the strategies or the app)"
+            for name in _imports(f, source)
+            if name.startswith(("lightning_shard.strategies", "lightning_shard.app", "lightning_shard.train"))
+            or name.split(".")[0] in ("lightning", "pytorch_lightning")]
+
+
+def distributed_violations(f: Path, source: Optional[str] = None) -> list[str]:
+    rel = _rel(f)
+    if rel == "core/collectives.py":
+        return []
+    text = f.read_text() if source is None else source
+    used = {n for n in _imports(f, source) if n.startswith("torch.distributed")} | _distributed_calls(text)
+    if rel in CHECKPOINT_FILES:
+        used = {n for n in used if not n.startswith("torch.distributed.checkpoint")}
+    return [f"{rel}: uses {n}; go through core/collectives.py" for n in sorted(used)]
+
+
+def test_topology_imports_no_torch_and_no_other_layer():
+    assert [v for f in _files("lightning_shard/topology") for v in topology_violations(f)] == []
+
+
+def test_planner_and_topology_never_import_strategies_or_app():
+    files = _files("lightning_shard/planner") + _files("lightning_shard/topology")
+    assert [v for f in files for v in upward_violations(f)] == []
+
+
+def test_no_torch_distributed_calls_outside_collectives():
+    files = _files("lightning_shard") + _files("recipes")
+    assert [v for f in files for v in distributed_violations(f)] == []
+
+
+@pytest.mark.parametrize("rule,where,source,expected", [
+    (topology_violations, "lightning_shard/topology/x.py", "def f():\n    import torch\n", "imports torch"),
+    (topology_violations, "lightning_shard/topology/x.py", "from ..core import flat\n", "lightning_shard.core"),
+    (upward_violations, "lightning_shard/planner/x.py", "from ..strategies import zero\n", "strategies"),
+    (upward_violations, "lightning_shard/topology/x.py", "import lightning as L\n", "imports lightning"),
+    (distributed_violations, "lightning_shard/strategies/x.py", "import torch\ntorch.distributed.barrier()\n",
+     "torch.distributed.barrier"),
+    (distributed_violations, "lightning_shard/core/engine.py", "import torch.distributed as dist\n",
+     "torch.distributed"),
+    (distributed_violations, "lightning_shard/core/checkpoint.py", "import torch.distributed.checkpoint as dcp\n"
+     "import torch\ntorch.distributed.all_reduce(x)\n", "torch.distributed.all_reduce"),
+])
+def test_each_rule_catches_a_module_that_breaks_it(rule, where, source, expected):
+    found = rule(ROOT / where, source)
+    assert found and any(expected in v for v in found), found
+
+
+def test_checkpoint_files_may_use_torch_distributed_checkpoint():
+    source = "import torch.distributed.checkpoint as dcp\n"
+    assert distributed_violations(ROOT / "lightning_shard/core/checkpoint.py", source) == []
+    assert distributed_violations(ROOT / "lightning_shard/core/bucket.py", source) != []

@@ -220,10 +220,6 @@ def get_rank(group: Any = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
-def get_backend(group: Any = None) -> str:
-    return dist.get_backend(group) if is_initialized() else "none"
-
-
 def group_name(group: Any) -> str:
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
@@ -376,13 +372,3 @@ def barrier(group: Any = None, tag: str = "") -> None:
         dist.barrier(group=group)
 
 
-def wait_all(works: list[Any], timeout_s: Optional[float] = None) -> None:
-    """Wait for async work handles; ``timeout_s`` bounds the wait where the backend supports it."""
-    t0 = time.monotonic()
-    for w in works:
-        if w is None:
-            continue
-        if timeout_s is None:
-            w.wait()
-        else:
-            w.wait(timedelta(seconds=max(0.0, timeout_s - (time.monotonic() - t0))))

@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..topology import Topology
 from .config import Job, StrategyConfig
 from .hardware import DeviceSpec
 from .layout import OptimizerGroups, default_groups, plan_layout
@@ -18,7 +17,7 @@ from .memory import fits, peak_bytes, state_bytes, zero_paper_bytes
 from .placement import JobPlacement
 from .stats import TransformerShape, activation_bytes, transformer_shape
 from .time import DEFAULT_BUS_EFFICIENCY, DEFAULT_EFFICIENCY, StepTime, step_time
-from .traffic import LINK_CLASSES, buffer_groups, by_link_class, step_collectives
+from .traffic import buffer_groups, by_link_class, step_collectives
 
 
 @dataclass
@@ -131,8 +130,3 @@ def candidates(module: nn.Module, placement: JobPlacement, accumulation: int) ->
     return out
 
 
-def link_summary(topo: Topology) -> str:
-    return ", ".join(sorted({c.value for c in topo.link_classes()}))
-
-
-__all__ = ["Context", "LINK_CLASSES", "PlanRow", "candidates", "evaluate", "island_shard_size", "make_context"]

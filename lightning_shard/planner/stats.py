@@ -20,9 +20,8 @@ the cross-entropy's log-softmax: (2h + 2V)·act_bytes per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import torch
 from torch import nn
 
 from ..core.units import plan_units
@@ -100,15 +99,3 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, act_bytes: int =
     return shape.layers * activation_bytes_per_layer(shape, micro_batch, act_bytes) + head
 
 
-def measure_saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs (one forward)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        seen[st.data_ptr() if t.device.type != "meta" else id(st)] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
