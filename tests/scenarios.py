@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -10,6 +12,44 @@ from torch.utils.data import DataLoader
 from lightning_shard.core import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy, ZeroStrategy
 from tests.zoo import RankMicroBatches, dataset, make_module
+
+
+class _LateWork:
+    """An async collective's handle that completes ``delay`` seconds after it was issued at the earliest."""
+
+    def __init__(self, work: Any, ready_at: float) -> None:
+        self._work, self._ready_at = work, ready_at
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait() if timeout is None else self._work.wait(timeout)
+        time.sleep(max(0.0, self._ready_at - time.monotonic()))
+        return True
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self._ready_at and self._work.is_completed()
+
+
+@contextmanager
+def slow_all_gather(seconds: float) -> Iterator[None]:
+    """Every all-gather takes at least ``seconds`` from issue to completion (a slow link), so that a test can
+    show prefetching hides it: wraps the torch function ``core/collectives.py`` calls, in this process only."""
+    if not seconds:
+        yield
+        return
+    real = C._ag_impl
+
+    def late(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        work = real(*args, async_op=async_op, **kwargs)
+        if async_op:
+            return _LateWork(work, time.monotonic() + seconds)
+        time.sleep(seconds)
+        return work
+
+    C._ag_impl = late
+    try:
+        yield
+    finally:
+        C._ag_impl = real
 
 STEPS = 5
 SMALL_BUCKETS = 0.0005  # MiB: several buckets even for this tiny model
@@ -87,7 +127,6 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
     recorder = Recorder()
     recorder.record_events = record_events
     point = ResumePoint()
-    C.set_artificial_delay("all_gather", delay_gather_s)
     callbacks: list[L.Callback] = [recorder, point]
     if ckpt_dir:  # Lightning's default full checkpoint, every 3 optimizer steps
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
@@ -100,10 +139,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
                         callbacks=callbacks)
     data = dataset(data_steps or steps, acc, world, model)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
-    try:
+    with slow_all_gather(delay_gather_s):
         trainer.fit(module, loader, ckpt_path=resume_from)
-    finally:
-        C.set_artificial_delay("all_gather", 0.0)
     if save_to:
         trainer.save_checkpoint(save_to)
     engine = trainer.strategy.engine

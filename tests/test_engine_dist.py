@@ -3,7 +3,6 @@ bf16 master weights, low-precision reduction, launch order."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
@@ -49,14 +48,10 @@ def launches_during_backward(overlap: bool) -> list[tuple[str, bool]]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002, overlap=overlap)
-    seen: list[tuple[str, bool]] = []
-    C.set_before_issue_hook(lambda op, tag: seen.append((tag, torch._C._current_graph_task_id() != -1)))
-    try:
-        _train(engine, model, opt, 1)
-    finally:
-        C.set_before_issue_hook(None)
+    mark = C.LEDGER.mark()
+    _train(engine, model, opt, 1)
     engine.remove_hooks()
-    return seen
+    return [(e.tag, e.in_backward) for e in C.LEDGER.since(mark)]  # the ledger notes whether autograd ran
 
 
 def test_reductions_launch_from_hooks_during_backward(w):

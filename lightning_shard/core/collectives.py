@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,6 +71,7 @@ class LedgerEntry:
     wire_bytes: float  # bytes a ring moves per rank for this call (see module docstring)
     tag: str  # free text from the caller, e.g. "grad_bucket3"
     dtype: str
+    in_backward: bool = False  # issued while autograd ran (overlapped with backward: a gradient hook's collective)
 
 
 def ring_wire_bytes(op: str, nbytes: int, world: int) -> float:
@@ -114,7 +114,8 @@ class Ledger:
 
     def record_bytes(self, op: str, group: Any, nbytes: int, tag: str = "", dtype: str = "object") -> None:
         world = get_world_size(group)
-        entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag, dtype)
+        entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag, dtype,
+                            torch._C._current_graph_task_id() != -1)
         with self._lock:
             self._entries.append(entry)
             self._count += 1
@@ -161,50 +162,7 @@ class Ledger:
 
 LEDGER = Ledger()
 
-# Test hook: called with (op, tag) before each collective is issued; tests use it to slow a collective down.
-_before_issue: Optional[Callable[[str, str], None]] = None
 _group_names: dict[Any, str] = {}
-
-
-def set_before_issue_hook(fn: Optional[Callable[[str, str], None]]) -> None:
-    global _before_issue
-    _before_issue = fn
-
-
-# Test hook: an artificial latency per op ("all_gather": 0.05) that async work honours at wait() time, so
-# that tests can show prefetching hides it. Never set in production code.
-_delays: dict[str, float] = {}
-
-
-def set_artificial_delay(op: str, seconds: float) -> None:
-    if seconds:
-        _delays[op] = seconds
-    else:
-        _delays.pop(op, None)
-
-
-class _DelayedWork:
-    def __init__(self, work: Any, ready_at: float) -> None:
-        self._work, self._ready_at = work, ready_at
-
-    def wait(self, timeout: Any = None) -> bool:
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-        time.sleep(max(0.0, self._ready_at - time.monotonic()))
-        return True
-
-    def is_completed(self) -> bool:
-        return time.monotonic() >= self._ready_at and (self._work is None or self._work.is_completed())
-
-
-def _delayed(op: str, work: Any, async_op: bool) -> Any:
-    delay = _delays.get(op)
-    if not delay:
-        return work
-    if async_op:
-        return _DelayedWork(work, time.monotonic() + delay)
-    time.sleep(delay)
-    return work
 
 
 # ---------------------------------------------------------------------------------------------- groups
@@ -284,17 +242,11 @@ def destroy_process_group() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- collectives
-def _issue(op: str, tag: str) -> None:
-    if _before_issue is not None:
-        _before_issue(op, tag)
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``tensor`` (``op`` in sum/max/min)."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     LEDGER.record("all_reduce", group, tensor, tag)
-    _issue("all_reduce", tag)
     return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
 
 
@@ -302,15 +254,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any = None,
                    tag: str = ""):
     """Sum ``input`` (the full padded buffer) over ranks; this rank receives its contiguous slice in ``output``."""
     LEDGER.record("reduce_scatter", group, input, tag)
-    _issue("reduce_scatter", tag)
     return _rs_impl(output, input, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False, tag: str = ""):
     """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe."""
     LEDGER.record("all_gather", group, output, tag)
-    _issue("all_gather", tag)
-    return _delayed("all_gather", _ag_impl(output, input, group=group, async_op=async_op), async_op)
+    return _ag_impl(output, input, group=group, async_op=async_op)
 
 
 def global_rank(group: Any, group_rank: int) -> int:
@@ -323,7 +273,6 @@ def global_rank(group: Any, group_rank: int) -> int:
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False, tag: str = ""):
     """Broadcast from the group's member number ``src`` (not a global rank)."""
     LEDGER.record("broadcast", group, tensor, tag)
-    _issue("broadcast", tag)
     return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
 
 
@@ -339,7 +288,6 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None, tag: str = "") -
     if not is_initialized():
         return obj
     LEDGER.record_bytes("broadcast_object", group, _pickled_bytes(obj) if get_rank(group) == src else 0, tag)
-    _issue("broadcast_object", tag)
     box = [obj]
     dist.broadcast_object_list(box, src=global_rank(group, src), group=group)
     return box[0]
@@ -350,7 +298,6 @@ def all_gather_object(obj: Any, group: Any = None, tag: str = "") -> list[Any]:
     if not is_initialized():
         return [obj]
     LEDGER.record_bytes("all_gather_object", group, _pickled_bytes(obj), tag)
-    _issue("all_gather_object", tag)
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -360,7 +307,6 @@ def all_gather_list(tensor: torch.Tensor, group: Any = None, tag: str = "") -> l
     """Every rank's ``tensor`` (same shape on every rank), as a list (Lightning's ``Strategy.all_gather``)."""
     out = [torch.empty_like(tensor) for _ in range(get_world_size(group))]
     LEDGER.record("all_gather", group, tensor, tag, full_numel=tensor.numel() * len(out))
-    _issue("all_gather", tag)
     dist.all_gather(out, tensor, group=group)
     return out
 
@@ -368,7 +314,6 @@ def all_gather_list(tensor: torch.Tensor, group: Any = None, tag: str = "") -> l
 def barrier(group: Any = None, tag: str = "") -> None:
     if is_initialized():
         LEDGER.record_bytes("barrier", group, 0, tag)
-        _issue("barrier", tag)
         dist.barrier(group=group)
 
 
