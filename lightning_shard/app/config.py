@@ -1,0 +1,117 @@
+"""The config side of ``python -m lightning_shard.train``: Hydra registration (schemas, the ``ls.topo``
+resolver), the checks run before any rank starts, and the builders of the Trainer's keywords, callbacks and
+loggers from the composed config."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from hydra.core.config_store import ConfigStore
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from .checks import ConfigError, check_all, did_you_mean
+from .launch import topology_fact
+from .resume import CKPT_DIR, check_ckpt_path
+from .schema import SCHEMAS
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+REQUIRED_KEYS = (
+    "seed", "threads_per_rank", "val_every_n_steps",
+    "strategy._target_",
+    "recipe.name", "recipe.global_batch_size", "recipe.micro_batch_size",
+    "recipe.data._target_", "recipe.model._target_",
+    "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.max_steps",
+)
+# Trainer kwargs that train.py sets itself; a trainer config that sets them would type things twice.
+_OWNED_TRAINER_KEYS = ("strategy", "accumulate_grad_batches", "callbacks", "logger")
+_CHECKED_SECTIONS = ("strategy", "recipe", "trainer", "topology")
+
+
+def _topo_resolver(fact: str, *, _root_: DictConfig) -> Any:
+    node = OmegaConf.to_container(_root_.topology, resolve=True)
+    return topology_fact(node, fact)
+
+
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore and register the ``ls.topo`` resolver (idempotent)."""
+    cs = ConfigStore.instance()
+    for group, nodes in SCHEMAS.items():
+        for name, node in nodes.items():
+            cs.store(group=group, name=name, node=node, provider="lightning_shard")
+    OmegaConf.register_new_resolver("ls.topo", _topo_resolver, replace=True)
+
+
+register()
+
+
+def check_config(cfg: DictConfig) -> int:
+    """Validate ``cfg`` before any process starts; return the derived ``accumulate_grad_batches``."""
+    missing = [k for k in REQUIRED_KEYS if OmegaConf.select(cfg, k, default=None) is None]
+    if missing:
+        raise ConfigError(f"config is missing required keys {missing}; set them in conf/ or on the command "
+                          f"line, e.g. {missing[0]}=...")
+    owned = [k for k in _OWNED_TRAINER_KEYS if k in cfg.trainer]
+    if owned:
+        raise ConfigError(owned_key_message(owned[0]))
+    accepted = trainer_keywords()
+    unknown = [str(k) for k in cfg.trainer if k not in accepted]
+    if unknown:
+        raise ConfigError(f"trainer.{unknown[0]}: not a keyword of lightning.Trainer"
+                          f"{did_you_mean(unknown[0], sorted(accepted))}; nothing was started")
+    check_ckpt_path(cfg)
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in _CHECKED_SECTIONS}
+    islands = topology_fact(plain["topology"], "islands_per_node")
+    return check_all(plain, islands)
+
+
+def owned_key_message(key: str) -> str:
+    """Why ``trainer.<key>`` may not be set, and what to set instead."""
+    if key == "accumulate_grad_batches":
+        return ("trainer.accumulate_grad_batches is derived, not set: recipe.global_batch_size / "
+                "(recipe.micro_batch_size x world size); change recipe.global_batch_size or "
+                "recipe.micro_batch_size instead (the world size comes from the topology)")
+    instead = {"strategy": "strategy=<name> (conf/strategy/)", "callbacks": "callbacks=<name> (conf/callbacks/)",
+               "logger": "logger=<name> (conf/logger/)"}[key]
+    return f"trainer.{key} is set by lightning_shard.train, not by the trainer config; use {instead}"
+
+
+def trainer_keywords() -> set[str]:
+    return set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+
+
+def build_trainer_kwargs(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None
+              or k in ("val_check_interval", "check_val_every_n_epoch")}
+    if kwargs.get("val_check_interval") is None:
+        kwargs["val_check_interval"] = int(cfg.val_every_n_steps) * accumulate
+    kwargs["accumulate_grad_batches"] = accumulate
+    return kwargs
+
+
+def build_callbacks(cfg: DictConfig, run_dir: Optional[str] = None) -> list[Any]:
+    """The ``callbacks`` group's callbacks; a ``ModelCheckpoint`` without ``dirpath`` writes to
+    ``<run_dir>/checkpoints``. Callbacks the trainer config switches off (progress bar, checkpointing) are left out."""
+    out = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is None:
+            continue
+        cb = instantiate(node, _convert_="all")
+        if isinstance(cb, ProgressBar) and not cfg.trainer.enable_progress_bar:
+            continue  # Lightning refuses a progress-bar callback with enable_progress_bar=False
+        if isinstance(cb, ModelCheckpoint):
+            if not cfg.trainer.enable_checkpointing:
+                continue  # and a checkpoint callback with enable_checkpointing=False
+            if cb.dirpath is None and run_dir is not None:
+                cb.dirpath = os.path.join(run_dir, CKPT_DIR)
+        out.append(cb)
+    return out
+
+
+def build_loggers(cfg: DictConfig) -> list[Any]:
+    return [instantiate(node, _convert_="all") for node in (cfg.get("logger") or {}).values() if node is not None]
