@@ -4,7 +4,7 @@ Works on the plain, resolved config (``OmegaConf.to_container(cfg, resolve=True)
 
 - ``_target_`` importable, and every other key a keyword of the target (close matches suggested);
 - value types against the target's defaults (``bool`` stays bool, numbers stay numbers);
-- value choices read from the strategy classes (``ACCUMULATION``, ``START_METHODS``) so they never drift;
+- value choices read from the strategies' knob dataclasses (``strategies/config.py``) so they never drift;
 - hybrid sharding needs more than one shard group on the chosen topology;
 - local recipe paths (``recipe.model.name_or_path``) must exist;
 - the batch arithmetic (:func:`lightning_shard.batching.derive_accumulation`).
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lightning_shard.batching import derive_accumulation
+from lightning_shard.strategies.config import ZeroConfig
 
-REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
 # keys of a target node that are Hydra's, not the target's
 _HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
 
@@ -96,15 +96,13 @@ def check_target_node(node: Mapping[str, Any], key: str, provided: tuple[str, ..
 def check_strategy(node: Mapping[str, Any], islands_per_node: int, num_nodes: int, world_size: int,
                    key: str = "strategy") -> None:
     cls = check_target_node(node, key)
-    choices = {
-        "accumulation": getattr(cls, "ACCUMULATION", None),
-        "start_method": getattr(importlib.import_module("lightning_shard.strategies.zero"), "START_METHODS"),
-        "reduce_dtype": REDUCE_DTYPES,
-    }
-    if getattr(cls, "strategy_name", "") in ("zero0", "zero1") and choices["accumulation"]:
-        # zero0/zero1 hold full gradients anyway: per_micro_batch is zero2's (strategies/zero.py)
-        choices["accumulation"] = tuple(v for v in choices["accumulation"] if v != "per_micro_batch")
-    for name, valid in choices.items():
+    # the knob dataclass of a lightning_shard strategy (strategies/config.py); another target (Lightning's DDP) has
+    # its start_method and reduce_dtype checked against ours
+    config = getattr(cls, "CONFIG", ZeroConfig)
+    names = config.names() if hasattr(cls, "CONFIG") else ("start_method", "reduce_dtype")
+    stage = node.get("stage") if node.get("stage") is not None else getattr(cls, "DEFAULT_STAGE", None)
+    for name in names:
+        valid = config.choices(name, stage)
         if name in node and valid is not None and node[name] not in valid:
             raise ConfigError(f"{key}.{name}={node[name]!r} is not valid for {cls.__name__}; choose one of "
                               f"{', '.join(map(str, valid))}{did_you_mean(str(node[name]), [str(v) for v in valid])}")

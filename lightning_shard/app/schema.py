@@ -3,71 +3,58 @@
 Plain dataclasses (no Hydra import here, DESIGN §3); ``lightning_shard.train`` stores them in Hydra's
 ConfigStore under ``schema/<group>/<name>`` and the YAML files (or ``conf/train.yaml`` for groups whose files
 belong to someone else, e.g. ``conf/topology``) list them first in their defaults, so a typo or a wrong type
-fails at composition time with the full key. Value *choices* (``accumulation`` per stage, ``start_method`` ...)
-are checked by :mod:`lightning_shard.app.checks`, which reads them from the strategy classes themselves.
+fails at composition time with the full key. The strategy schemas are generated from the knob dataclasses
+(``lightning_shard/strategies/config.py``), so ``conf/strategy/*.yaml`` hold only what differs from the defaults.
+Value *choices* (``accumulation`` per stage, ``start_method`` ...) are checked by
+:mod:`lightning_shard.app.checks`, which reads them from the same dataclasses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_shard.strategies.config import AutoConfig, FSDPConfig, Zero3Config, ZeroConfig
+
 
 # ------------------------------------------------------------------------------------------ strategy/
-@dataclass
-class ZeroStrategyConf:
-    """zero0 / zero1 / zero2 (and zero2_hybrid): knobs of ``lightning_shard.strategies.ZeroStrategy``."""
-
-    _target_: str = "lightning_shard.strategies.Zero2Strategy"
-    accumulation: str = "auto"
-    bucket_mb: float = 25.0
-    reduce_dtype: Optional[str] = None
-    overlap: bool = True
-    broadcast_buffers: bool = True
-    start_method: str = "popen"
-    process_group_backend: Optional[str] = None
-    timeout_s: float = 1800.0
-    startup_timeout_s: float = 1800.0
-    allow_custom_optimizer: bool = False
-    find_unused_parameters: bool = True
-    shard_size: Any = None  # None | positive int | "auto"
-    topology: Optional[str] = None
-    strict_placement: bool = False
-    optim_chunk_mb: float = 4.0
-    overlap_param_gather: bool = True
-    state_dict_type: str = "sharded"  # sharded | full
-    skip_nonfinite: Optional[bool] = None
-    debug_collectives: bool = False
+_OMEGACONF_TYPES = (str, int, float, bool)
 
 
-@dataclass
-class Zero3StrategyConf(ZeroStrategyConf):
-    """zero3 (and zero3_hybrid): ZeroStrategy's knobs plus parameter sharding per module."""
-
-    _target_: str = "lightning_shard.strategies.Zero3Strategy"
-    reshard_after_forward: bool = True
-    prefetch_depth: int = 1
-    param_init_fn: Any = None
-    leaf_modules: Any = None  # None | list of class names or module FQNs
-
-
-@dataclass
-class FSDPShardStrategyConf(Zero3StrategyConf):
-    """fsdp_shard (and fsdp_shard_hybrid): units chosen by a wrap policy."""
-
-    _target_: str = "lightning_shard.strategies.FSDPShardStrategy"
-    wrap_classes: Any = "auto"  # "auto" | list of class names
-    min_params: Optional[int] = None
+def _omegaconf_type(hint: Any) -> Any:
+    """The field type OmegaConf can hold: ``str``/``int``/``float``/``bool``, optionally ``Optional``; else Any."""
+    if hint in _OMEGACONF_TYPES:
+        return hint
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and len(args) == 2 and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        if inner in _OMEGACONF_TYPES:
+            return Optional[inner]
+    return Any
 
 
-@dataclass
-class AutoStrategyConf(FSDPShardStrategyConf):
-    """strategy=auto: the planner picks the strategy, policy and layout at setup."""
+def strategy_schema(name: str, config: type, target: str, doc: str) -> type:
+    """The structured-config schema of a strategy config dataclass: ``_target_`` plus every knob that is a Hydra
+    key, with its default and an OmegaConf-compatible type (the knobs themselves: ``strategies/config.py``)."""
+    hints = typing.get_type_hints(config)
+    knobs = [(f.name, _omegaconf_type(hints[f.name]), field(default=f.default))
+             for f in dataclasses.fields(config) if f.metadata.get("hydra", True)]
+    schema = dataclasses.make_dataclass(name, [("_target_", str, field(default=target)), *knobs])
+    schema.__doc__, schema.__module__ = doc, __name__
+    return schema
 
-    _target_: str = "lightning_shard.strategies.AutoStrategy"
-    topology: Optional[str] = "detect"
-    global_batch_size: Optional[int] = None
-    micro_batch_size: Optional[int] = None
+
+ZeroStrategyConf = strategy_schema("ZeroStrategyConf", ZeroConfig, "lightning_shard.strategies.Zero2Strategy",
+                                   "zero0 / zero1 / zero2 (and zero2_hybrid): ZeroConfig's knobs.")
+Zero3StrategyConf = strategy_schema("Zero3StrategyConf", Zero3Config, "lightning_shard.strategies.Zero3Strategy",
+                                    "zero3 (and zero3_hybrid): ZeroConfig's knobs plus parameter sharding per module.")
+FSDPShardStrategyConf = strategy_schema("FSDPShardStrategyConf", FSDPConfig,
+                                        "lightning_shard.strategies.FSDPShardStrategy",
+                                        "fsdp_shard (and fsdp_shard_hybrid): units chosen by a wrap policy.")
+AutoStrategyConf = strategy_schema("AutoStrategyConf", AutoConfig, "lightning_shard.strategies.AutoStrategy",
+                                   "strategy=auto: the planner picks the strategy, policy and layout at setup.")
 
 
 @dataclass

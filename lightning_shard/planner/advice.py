@@ -33,7 +33,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RECIPE_PLACEHOLDER = "YOUR_RECIPE"
 CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2Strategy",
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies
-# keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (strategies/zero.py, zero3.py)
+# keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
+# which the planner may not import; tests/test_knob_list.py checks it)
 CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 1,
                   "wrap_classes": "auto", "min_params": None, "shard_size": None, "topology": None}
 _MISSING = object()
@@ -116,7 +117,7 @@ def strategy_overrides(res: Any, row: Any) -> list[str]:
     special = _yaml(CONF_DIR / "specialize" / f"{option}_{preset}.yaml") if preset else {}
     out = [f"strategy={option}"]
     for k, v in strategy_kwargs(res, row).items():
-        have = shipped.get(k, _MISSING)
+        have = shipped.get(k, CLASS_DEFAULTS.get(k, _MISSING))  # the YAML holds only what differs from the defaults
         if have == "${topology.name}":
             have = preset or "cpu"  # conf/train.yaml's default topology
         if k in special or not _same(have, v):

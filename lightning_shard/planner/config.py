@@ -1,9 +1,11 @@
 """What the planner is asked about: a strategy configuration and a job (world, batch, precision).
 
-``StrategyConfig`` mirrors the registered strategies' knobs (``strategies/zero.py``, ``strategies/zero3.py``)
-without importing Lightning; ``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes, with the
-strategies' own accumulation names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``).
-tests/test_planner_advice.py builds every planned row with the real classes, so the mirror cannot drift.
+``StrategyConfig`` mirrors the registered strategies' knobs (written once in ``strategies/config.py``, which the
+planner may not import: it would load Lightning, and planner never imports the strategies, DESIGN section 3);
+``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes, with the strategies' own accumulation
+names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``). tests/test_planner_advice.py builds every
+planned row with the real classes and tests/test_knob_list.py compares ``POLICIES`` with the knob dataclasses'
+choices, so the mirror cannot drift.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, 
     "bf16-true": (torch.bfloat16, 2, False),
     "16-true": (torch.float16, 2, True),
 }
-# accumulation policies per stage, named as the strategies accept them (strategies/zero.py ACCUMULATION,
-# strategies/zero3.py ACCUMULATION3; zero0/zero1 hold full gradients, so only zero2 has per_micro_batch)
+# accumulation policies per stage, named as the strategies accept them (the ``accumulation`` choices of
+# strategies/config.py ZeroConfig / Zero3Config, less "auto"; zero0/zero1 hold full gradients, so only zero2 has
+# per_micro_batch). A mirror: tests/test_knob_list.py checks it.
 POLICIES = {0: ("defer",), 1: ("defer",), 2: ("defer", "per_micro_batch"),
             3: ("per_micro_batch", "keep_unsharded_grads", "keep_params")}
 STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}  # registered name -> ZeRO stage

@@ -4,25 +4,22 @@ At setup the planner (``lightning_shard.planner``) scores every strategy, accumu
 layout for this model on this machine's topology and world size, and builds the row that
 ``lightning-shard plan`` marks recommended for the same inputs (``recommend()``, then ``apply()``; checked by
 tests/test_planner_advice.py); the table is logged once on rank 0 with the reason and the runner-up.
-Knobs: those of the stage-3 strategies plus these, and ``topology`` (default ``"detect"``):
-
-``global_batch_size`` / ``micro_batch_size``  the batch the planner's compute estimate assumes; by default
-                  derived from ``accumulate_grad_batches`` with micro-batch 1.
+Knobs: :class:`~lightning_shard.strategies.config.AutoConfig` (documented there and in ``help(AutoStrategy)``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from . import zero as _zero
-from . import zero3 as _zero3
-from .knobs import describe
+from .config import AutoConfig
+from .knobs import describe, takes_knobs_of
 from .layout import make_groups, resolve_topology
-from .zero3 import ZERO3_KNOBS, Zero3Strategy
+from .zero import ATTRIBUTE_OF
+from .zero3 import Zero3Strategy
 
 log = logging.getLogger(__name__)
 STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3, "zero2_hybrid": 2,
@@ -31,16 +28,12 @@ STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3, "ze
 
 class AutoStrategy(Zero3Strategy):
     strategy_name = "zero_auto"
-    KNOBS = ZERO3_KNOBS + ("global_batch_size", "micro_batch_size", "wrap_classes", "min_params")
-    STAGES = (0, 1, 2, 3)
+    CONFIG = AutoConfig  # wrap_classes / min_params: used if the planner picks fsdp_shard
 
-    def __init__(self, global_batch_size: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                 wrap_classes: Any = "auto", min_params: Optional[int] = None, **kwargs: Any) -> None:
-        kwargs.setdefault("topology", "detect")
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.wrap_classes, self.min_params = wrap_classes, min_params  # used if the planner picks fsdp_shard
+    @takes_knobs_of(AutoConfig)
+    def __init__(self, **knobs: Any) -> None:
         self.recommendation: Any = None
-        super().__init__(**kwargs)
+        super().__init__(**knobs)
 
     def _unit_config(self):
         cfg = super()._unit_config()
@@ -74,12 +67,11 @@ class AutoStrategy(Zero3Strategy):
         self.stage = STAGE_OF[name]
         self.GRANULARITY = "fsdp" if name.startswith("fsdp") else "zero3"
         self.accumulation = kw.pop("accumulation", "auto")
-        for key in ("bucket_mb", "reshard_after_forward", "prefetch_depth", "wrap_classes", "min_params"):
-            if key in kw:
-                setattr(self, key, kw.pop(key))
         shard = kw.pop("shard_size", None)
         if shard:
             self.shard_size = shard
+        for key in [k for k in kw if k in self.CONFIG.names() and k not in ATTRIBUTE_OF and k != "stage"]:
+            setattr(self, key, kw.pop(key))  # bucket_mb, reshard_after_forward, prefetch_depth, wrap policy ...
         if kw:
             raise ValueError(f"strategy=auto cannot apply the planner's knobs {sorted(kw)} for {name}: the planner "
                              "and strategies/auto.py disagree (a bug; please report it)")
@@ -102,4 +94,4 @@ class AutoStrategy(Zero3Strategy):
         return super()._resolve_accumulation(trainer) if self.stage == 3 else ("defer", "stage <= 2")
 
 
-describe(AutoStrategy, _zero.__doc__, _zero3.__doc__, __doc__)
+describe(AutoStrategy)

@@ -27,7 +27,6 @@ from ..core.consolidate import lightning_checkpoint, model_state
 from ..core.engine_ckpt import collect_pieces
 
 MODEL_KEYS = ("state_dict", "optimizer_states")
-STATE_DICT_TYPES = ("sharded", "full")
 
 
 def plain(obj: Any) -> Any:

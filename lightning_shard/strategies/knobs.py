@@ -1,80 +1,67 @@
 """The knobs of a strategy class, visible where users look: ``help(Zero2Strategy)``, ``inspect.signature``,
-Jupyter/IDE call tips that read ``__signature__``, and the class docstring.
+Jupyter/IDE call tips, type checkers, and the class docstring, all derived from the class's ``CONFIG`` dataclass
+(``strategies/config.py``, where every knob is written once).
 
-The constructors pass most knobs down through ``**kwargs`` (zero3 / fsdp_shard add theirs to ZeroStrategy's), so
-:func:`describe` gives each class the merged keyword-only signature of its own and its bases' ``__init__`` and
-appends a "Knobs" section to its docstring, with each knob's default and the text the module docstrings give it.
+- :func:`takes_knobs_of` types a constructor ``(self, **knobs)`` as taking the config dataclass's keyword-only
+  parameters, so static tools (pyright, mypy) see every knob with its type and default;
+- :func:`describe` gives the class the same keyword-only signature at runtime (``__signature__``: the knobs, then
+  Lightning's own Strategy arguments) and appends a "Knobs" section to its docstring with each field's doc.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import re
 import textwrap
-from typing import Optional
+import typing
+from typing import Any, Callable, Concatenate, Optional, ParamSpec
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
 
 # Lightning's own Strategy arguments, accepted for Lightning's sake and not knobs of ours
-_LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
-_ENTRY = re.compile(r"^``(\w+)``(?: / ``(\w+)``)?\s+(.*)$")
+LIGHTNING_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+_LIGHTNING_TYPES = {"parallel_devices": Optional[list[torch.device]], "precision_plugin": Optional[Precision]}
+
+P = ParamSpec("P")
 
 
-def knob_docs(doc: Optional[str]) -> dict[str, str]:
-    """``name -> text`` from a module docstring's knob list (lines starting with ````name````, continued by
-    indented lines)."""
-    out: dict[str, list[str]] = {}
-    current: list[str] = []
-    for line in (doc or "").splitlines():
-        m = _ENTRY.match(line)
-        if m:
-            current = [n for n in m.group(1, 2) if n]
-            for n in current:
-                out[n] = [m.group(3).strip()]
-        elif current and line.startswith("   ") and line.strip():
-            for n in current:
-                out[n].append(line.strip())
-        else:
-            current = []
-    return {k: " ".join(v) for k, v in out.items()}
+def takes_knobs_of(config: Callable[P, Any]) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
+    """Decorate ``__init__(self, **knobs)``: static tools see the parameters of ``config`` (a dataclass)."""
+
+    def decorate(init: Callable[..., None]) -> Any:
+        return init
+
+    return decorate
 
 
-def merged_signature(cls: type) -> inspect.Signature:
-    """Keyword-only signature of ``cls``: its own ``__init__``'s knobs first, then each base's."""
-    params: dict[str, inspect.Parameter] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or not klass.__module__.startswith("lightning_shard."):
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.name in params:
-                continue
-            params[p.name] = p.replace(kind=p.KEYWORD_ONLY)
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return inspect.Signature([self_param, *params.values()], return_annotation=None)
+def signature_of(cls: type) -> inspect.Signature:
+    """Keyword-only signature of strategy ``cls`` (no ``self``): its config's knobs, then Lightning's arguments."""
+    config = cls.CONFIG  # type: ignore[attr-defined]
+    hints = typing.get_type_hints(config)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+              for f in dataclasses.fields(config)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                 annotation=_LIGHTNING_TYPES.get(n, Any)) for n in LIGHTNING_ARGS]
+    return inspect.Signature(params, return_annotation=None)
 
 
-def describe(cls: type, *module_docs: Optional[str]) -> None:
-    """Give ``cls.__init__`` the merged signature (when it passes knobs through ``**kwargs``) and append the
-    knob list to the class docstring."""
-    sig = merged_signature(cls)
-    init = cls.__dict__.get("__init__")
-    if init is not None and any(p.kind == p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()):
-        init.__signature__ = sig
-    texts: dict[str, str] = {}
-    for doc in module_docs:
-        texts.update(knob_docs(doc))
+def describe(cls: type) -> None:
+    """Give ``cls`` its keyword-only signature and append the knob list (defaults and docs) to its docstring."""
+    cls.__signature__ = signature_of(cls)  # type: ignore[attr-defined]
     lines = []
-    for p in list(sig.parameters.values())[1:]:
-        if p.name in _LIGHTNING_ARGS:
-            continue
-        default = "" if p.default is inspect.Parameter.empty else f"={p.default!r}"
-        what = texts.get(p.name, "")
-        if p.name == "stage":
+    for f in dataclasses.fields(cls.CONFIG):  # type: ignore[attr-defined]
+        what = f.metadata["doc"]
+        if f.name == "stage":
             what = f"ZeRO stage; None = {getattr(cls, 'DEFAULT_STAGE', '?')} for this class"
-        lines.append(f"    {p.name}{default}")
-        if what:
-            lines.append(textwrap.fill(what, 110, initial_indent=" " * 8, subsequent_indent=" " * 8))
+        lines.append(f"    {f.name}={f.default!r}")
+        lines.append(textwrap.fill(what, 110, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                   break_on_hyphens=False, break_long_words=False))
+    not_hydra = [f"``{f.name}``" for f in dataclasses.fields(cls.CONFIG) if f.metadata.get("hydra") is False]
+    but = f" but {', '.join(not_hydra)}" if not_hydra else ""
     doc = (cls.__dict__.get("__doc__") or "").rstrip()
-    cls.__doc__ = f"{doc}\n\n    Knobs (keyword arguments; each is also a Hydra key of conf/strategy/):\n\n" + "\n".join(lines) + "\n"
+    cls.__doc__ = (f"{doc}\n\n    Knobs (keyword arguments, in strategies/config.py; each{but} is also a Hydra key of "
+                   f"conf/strategy/):\n\n" + "\n".join(lines) + "\n")
 
 
-__all__ = ["describe", "knob_docs", "merged_signature"]
+__all__ = ["LIGHTNING_ARGS", "describe", "signature_of", "takes_knobs_of"]

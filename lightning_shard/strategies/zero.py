@@ -3,51 +3,12 @@
 ``Trainer(strategy="zero2")`` (names registered when ``lightning_shard`` is imported) or
 ``Trainer(strategy=Zero2Strategy(bucket_mb=50, accumulation="per_micro_batch"))``.
 
-Knobs (all keyword arguments; every one is also a Hydra key in ``conf/strategy/*.yaml``):
-
-``accumulation``  ``"defer"`` | ``"per_micro_batch"`` | ``"auto"`` (default). What non-boundary micro-batches
-                  communicate: ``defer`` nothing (full gradients held until the boundary); ``per_micro_batch``
-                  (zero2 only) reduce-scatters every micro-batch into an fp32 shard accumulator and frees the
-                  full gradients. ``auto`` picks one at setup and logs why.
-``bucket_mb``     gradient bucket size in MiB (default 25). Larger buckets: fewer collectives; smaller: earlier
-                  overlap with backward.
-``reduce_dtype``  ``None`` (fp32 reduction, default) or ``"bf16"``/``"fp16"``/``"fp32"``.
-``overlap``       launch bucket reductions from gradient hooks during backward (default True).
-``broadcast_buffers``  broadcast buffers (BatchNorm statistics) from rank 0 after every optimizer step.
-``start_method``  ``"popen"`` (default, re-runs the script per rank like DDP), ``"fork"``, ``"spawn"``.
-``process_group_backend``  ``None`` (default: ``nccl`` on CUDA, ``gloo`` on CPU) or a backend name for
-                  ``torch.distributed.init_process_group``.
-``timeout_s``     collective timeout in seconds (default 1800): a rank that died or stalled ends the job with an
-                  error naming the collective instead of a hang.
-``startup_timeout_s``  how long the ranks may take to find each other at start-up (default 1800): slow imports on
-                  a loaded machine or ranks started minutes apart by a scheduler are not a collective timeout.
-``allow_custom_optimizer``  accept optimizers not known to be element-wise (see ``core/optim.py``).
-``shard_size``    hybrid sharding: ``None`` (default) shards over every rank; an integer S shards inside groups of S
-                  consecutive ranks and replicates across groups (gradients: reduce-scatter inside the group, one
-                  all-reduce of the shard across groups at the boundary); ``"auto"`` takes S from ``topology``'s islands.
-``topology``      preset name (``conf/topology``), capture file, or ``"detect"``: used by ``shard_size="auto"`` and by
-                  the placement check at setup (a warning when traffic crosses slow links needlessly).
-``strict_placement``  make that warning an error.
-``skip_nonfinite``  fp32/bf16: ``None`` (default, no check), ``True`` (a non-fp16 step whose gradients hold
-                  inf/nan is skipped on every rank with a warning naming the parameter), ``False`` (raise with that
-                  name). One small all-reduce per step when set. fp16 always uses agreed loss scaling instead.
-``debug_collectives``  check at every optimizer step that all ranks issued the same collectives (a desync
-                  names the first differing one). Model fingerprints are always compared at setup.
-``state_dict_type``  ``"sharded"`` (default: each rank writes its shards into a checkpoint directory, committed
-                  atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.
-``optim_chunk_mb``  the optimizer steps the shard in views of this many MiB (default 4): identical results,
-                  cache-friendly on CPU.
-``overlap_param_gather``  zero1/zero2 all-gather updated parameters in the background after the step; each
-                  module waits for its own bucket in its forward (default True).
-``find_unused_parameters``  ``True`` (default): parameters that got no gradient on any rank in a window are left
-                  out of the step exactly as torch leaves a parameter whose ``.grad`` is None (no momentum, weight
-                  decay or Adam step), so the result is that of one process; costs one all-reduce of one byte per
-                  parameter per optimizer step. ``False`` skips that all-reduce: such parameters step with a zero
-                  gradient (momentum and weight decay still move them) and a warning names them once per rank.
+Knobs: :class:`~lightning_shard.strategies.config.ZeroConfig` (each documented there and in ``help(Zero2Strategy)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from contextlib import contextmanager
@@ -65,44 +26,41 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..core import collectives as C
-from ..core.engine import ShardEngine, parse_reduce_dtype, sync_module_states
-from .checkpointing import CheckpointMixin, STATE_DICT_TYPES
+from ..core.engine import ShardEngine, sync_module_states
+from .checkpointing import CheckpointMixin
 from . import summary
-from .knobs import describe
-from .layout import Groups, check_job_placement, make_groups, resolve_topology, validate_shard_size
+from .config import ZeroConfig
+from .knobs import LIGHTNING_ARGS, describe, takes_knobs_of
+from .layout import Groups, check_job_placement, make_groups, resolve_topology
 from .precision import ShardedPrecision
 
 log = logging.getLogger(__name__)
-
-BASE_KNOBS = ("stage", "accumulation", "bucket_mb", "reduce_dtype", "overlap", "broadcast_buffers", "start_method",
-         "process_group_backend", "timeout_s", "startup_timeout_s", "allow_custom_optimizer", "find_unused_parameters", "optim_chunk_mb",
-         "state_dict_type", "skip_nonfinite", "debug_collectives",
-         "overlap_param_gather", "shard_size",
-         "topology", "strict_placement", "accelerator", "parallel_devices",
-         "cluster_environment", "checkpoint_io", "precision_plugin")
-ACCUMULATION = ("auto", "defer", "per_micro_batch")  # zero0/1/2; zero3 adds its own (strategies/zero3.py)
-START_METHODS = ("popen", "fork", "spawn", "forkserver")
+# knob -> attribute name where it is not the knob's own
+ATTRIBUTE_OF = {"topology": "topology_spec", "start_method": "_start_method",
+              "process_group_backend": "_process_group_backend"}
 
 
 class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
-    KNOBS: tuple[str, ...] = BASE_KNOBS
-    STAGES: tuple[int, ...] = (0, 1, 2)
+    CONFIG: type[ZeroConfig] = ZeroConfig  # the knobs (strategies/config.py); KNOBS, STAGES, ACCUMULATION follow
+    KNOBS: tuple[str, ...] = ZeroConfig.names() + LIGHTNING_ARGS
+    STAGES: tuple[int, ...] = ZeroConfig.STAGES
     DEFAULT_STAGE = 2  # ``stage=None``: the class's own (0/1/2 for zero0/1/2)
-    ACCUMULATION: tuple[str, ...] = ACCUMULATION
+    ACCUMULATION: tuple[str, ...] = ZeroConfig.choices("accumulation")
 
-    def __init__(self, stage: Optional[int] = None, accumulation: str = "auto", bucket_mb: float = 25.0,
-                 reduce_dtype: Optional[str] = None, overlap: bool = True, broadcast_buffers: bool = True,
-                 start_method: str = "popen", process_group_backend: Optional[str] = None,
-                 timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0, allow_custom_optimizer: bool = False,
-                 find_unused_parameters: bool = True, optim_chunk_mb: float = 4.0, state_dict_type: str = "sharded",
-                 skip_nonfinite: Optional[bool] = None, debug_collectives: bool = False,
-                 overlap_param_gather: bool = True, shard_size: Union[None, int, str] = None,
-                 topology: Optional[str] = None, strict_placement: bool = False, accelerator: Any = None,
-                 parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Any = None,
-                 checkpoint_io: Any = None, precision_plugin: Optional[Precision] = None, **unknown: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "CONFIG" in cls.__dict__:  # a class with its own knobs: derive what follows from them
+            cls.KNOBS = cls.CONFIG.names() + LIGHTNING_ARGS
+            cls.STAGES = cls.CONFIG.STAGES
+            cls.ACCUMULATION = cls.CONFIG.choices("accumulation")
+
+    @takes_knobs_of(ZeroConfig)
+    def __init__(self, **knobs: Any) -> None:
+        lightning = {k: knobs.pop(k) for k in LIGHTNING_ARGS if k in knobs}
+        unknown = [k for k in knobs if k not in self.KNOBS]
         if unknown:
             hints = []
             for k in unknown:
@@ -110,52 +68,19 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
                             f"{', '.join(self.KNOBS)}")
-        if stage is None:
-            stage = self.DEFAULT_STAGE
-        if stage not in self.STAGES:
-            raise ValueError(f"stage must be one of {self.STAGES} for {type(self).__name__}, got {stage!r}"
-                             + ("; use Zero3Strategy or FSDPShardStrategy for stage 3" if stage == 3 else ""))
-        if accumulation not in self.ACCUMULATION:
-            raise ValueError(f"accumulation must be one of {self.ACCUMULATION}, got {accumulation!r}")
-        if accumulation == "per_micro_batch" and stage < 2:
-            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (zero2); zero{stage} holds "
-                             "full gradients anyway: use accumulation='defer' or 'auto'.")
-        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-        for knob, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{knob} must be a positive number of seconds, got {value!r}")
-        parse_reduce_dtype(reduce_dtype)
-        validate_shard_size(shard_size)
-        if shard_size is not None and stage == 0:
-            raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: drop shard_size, "
-                             "or use zero2/zero3 with shard_size for hybrid sharding")
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
-        self.stage, self.accumulation = stage, accumulation
-        self.bucket_mb, self.reduce_dtype, self.overlap = float(bucket_mb), reduce_dtype, overlap
-        self.broadcast_buffers, self.allow_custom_optimizer = broadcast_buffers, allow_custom_optimizer
-        self.find_unused_parameters = find_unused_parameters
-        if not (isinstance(optim_chunk_mb, (int, float)) and optim_chunk_mb > 0):
-            raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {optim_chunk_mb!r}")
-        self.optim_chunk_mb, self.overlap_param_gather = float(optim_chunk_mb), overlap_param_gather
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type must be one of {STATE_DICT_TYPES}, got {state_dict_type!r}")
-        self.state_dict_type = state_dict_type
-        if skip_nonfinite not in (None, True, False):
-            raise ValueError(f"skip_nonfinite must be None (no check), True (skip the step with a warning) or False "
-                             f"(raise), got {skip_nonfinite!r}")
-        self.skip_nonfinite, self.debug_collectives = skip_nonfinite, debug_collectives
+        cfg = self.CONFIG(**knobs)
+        if cfg.stage is None:
+            cfg.stage = self.DEFAULT_STAGE
+        cfg.validate(type(self).__name__)
+        super().__init__(**{k: lightning.get(k) for k in LIGHTNING_ARGS})
+        self.config = cfg  # as constructed (strategy=auto's apply() changes the attributes below, not this)
+        for f in dataclasses.fields(cfg):  # every knob an attribute (three under other names)
+            setattr(self, ATTRIBUTE_OF.get(f.name, f.name), getattr(cfg, f.name))
         self._reader: Any = None
-        self.shard_size, self.topology_spec, self.strict_placement = shard_size, topology, strict_placement
         self._groups = Groups()
         self.placement_warning: Optional[str] = None
-        self._start_method, self._process_group_backend = start_method, process_group_backend
-        self._timeout = timedelta(seconds=timeout_s)
-        self._startup_timeout = timedelta(seconds=startup_timeout_s)
+        self._timeout = timedelta(seconds=cfg.timeout_s)
+        self._startup_timeout = timedelta(seconds=cfg.startup_timeout_s)
         self._num_nodes = 1
         self.engine: Optional[ShardEngine] = None
         self.accumulation_policy: Optional[str] = None
@@ -387,4 +312,4 @@ class Zero2Strategy(ZeroStrategy):
 
 
 for _cls in (ZeroStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy):
-    describe(_cls, __doc__)
+    describe(_cls)

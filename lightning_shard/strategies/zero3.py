@@ -3,24 +3,8 @@
 ``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity).
 ``fsdp_shard``: units chosen by a wrap policy, e.g. ``FSDPShardStrategy(wrap_classes=["Block"])``.
 
-Knobs, on top of ZeroStrategy's (``bucket_mb`` has no effect here: units are the buckets):
-
-``accumulation``  ``"per_micro_batch"`` (reduce-scatter every micro-batch into an fp32 shard accumulator),
-                  ``"keep_unsharded_grads"`` (hold full gradients over the window, one reduce-scatter per step),
-                  ``"keep_params"`` (parameters stay gathered over the window: one all-gather and one
-                  reduce-scatter per step), or ``"auto"`` (default; picks one at setup and logs why).
-``reshard_after_forward``  free a unit's full parameters after its forward (default True, full shard);
-                  False keeps them until its backward (ZeRO-2-like traffic, more memory).
-``prefetch_depth``  units all-gathered ahead of use, in forward and in backward (default 1; 0 disables).
-``wrap_classes`` / ``min_params``  (fsdp_shard) which modules become units: classes or class names, or a
-                  minimum parameter count. ``"auto"`` (default): the blocks held in ``nn.ModuleList``s; a model with
-                  none is one unit (gathered around each step). The plan is logged once at setup.
-``leaf_modules``  module classes, class names or FQNs whose whole subtree is one unit, gathered in the leaf's own
-                  forward (a mixture-of-experts block, a module whose code reads its children's weights). A
-                  parameter read by a parent's code (``self.out_proj.weight``) is put in the parent's unit
-                  automatically, and uses the scan misses are found in the first step (core/guard.py).
-``param_init_fn``  deferred init (``configure_model``): called as ``fn(module)`` to initialise a module's
-                  own parameters; default: the module's ``reset_parameters()``.
+Knobs: :class:`~lightning_shard.strategies.config.Zero3Config` and ``FSDPConfig`` (ZeroConfig's plus parameter
+sharding; documented there and in ``help(Zero3Strategy)``).
 """
 
 from __future__ import annotations
@@ -33,12 +17,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ..core.deferred import DeferredInit, has_meta_tensors
 from ..core.engine import UnitConfig
-from . import zero as _zero
-from .knobs import describe
-from .zero import BASE_KNOBS, ZeroStrategy
-
-ZERO3_KNOBS = BASE_KNOBS + ("reshard_after_forward", "prefetch_depth", "param_init_fn", "leaf_modules")
-ACCUMULATION3 = ("auto", "per_micro_batch", "keep_unsharded_grads", "keep_params")
+from .config import FSDPConfig, Zero3Config
+from .knobs import describe, takes_knobs_of
+from .zero import ZeroStrategy
 
 
 class _GatheringLauncher(_MultiProcessingLauncher):
@@ -58,29 +39,15 @@ class Zero3Strategy(ZeroStrategy):
     """ZeRO-3: optimizer state, gradients and parameters sharded; every module with parameters is a unit."""
 
     strategy_name = "zero3"
-    KNOBS = ZERO3_KNOBS
-    STAGES = (3,)
+    CONFIG = Zero3Config
     DEFAULT_STAGE = 3
-    ACCUMULATION = ACCUMULATION3
     GRANULARITY = "zero3"
 
-    def __init__(self, reshard_after_forward: bool = True, prefetch_depth: int = 1,
-                 param_init_fn: Optional[Callable] = None, leaf_modules: Any = None, **kwargs: Any) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be True (free parameters after forward) or False (keep "
-                             f"them until backward), got {reshard_after_forward!r}")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be an integer >= 0 (units gathered ahead), got {prefetch_depth!r}")
-        self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch_depth
-        self.param_init_fn = param_init_fn
-        if leaf_modules is not None and not isinstance(leaf_modules, (str, type, list, tuple)):
-            raise ValueError(f"leaf_modules must be a module class, a class name, a module FQN or a list of them, got "
-                             f"{leaf_modules!r}")
-        self.leaf_modules = list(leaf_modules) if isinstance(leaf_modules, (list, tuple)) else leaf_modules
+    @takes_knobs_of(Zero3Config)
+    def __init__(self, **knobs: Any) -> None:
         self._deferred: Optional[DeferredInit] = None
         self._init_rng: Optional[torch.Tensor] = None
-        kwargs.setdefault("stage", 3)
-        super().__init__(**kwargs)
+        super().__init__(**knobs)
 
     # ------------------------------------------------------------------ deferred (meta-device) init
     @contextmanager
@@ -175,18 +142,12 @@ class FSDPShardStrategy(Zero3Strategy):
     """FSDP-style: units chosen by a wrap policy (module classes or a minimum parameter count)."""
 
     strategy_name = "fsdp_shard"
-    KNOBS = ZERO3_KNOBS + ("wrap_classes", "min_params")
+    CONFIG = FSDPConfig
     GRANULARITY = "fsdp"
 
-    def __init__(self, wrap_classes: Any = "auto", min_params: Optional[int] = None, **kwargs: Any) -> None:
-        if wrap_classes is None and min_params is None:
-            raise ValueError("fsdp_shard needs a wrap policy: wrap_classes='auto' (default: the blocks held in "
-                             "nn.ModuleLists), wrap_classes=[YourBlock] (classes or class names) or min_params=N; or "
-                             "use strategy zero3 for per-module units")
-        if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
-            raise ValueError(f"min_params must be a positive integer, got {min_params!r}")
-        self.wrap_classes, self.min_params = wrap_classes, min_params
-        super().__init__(**kwargs)
+    @takes_knobs_of(FSDPConfig)
+    def __init__(self, **knobs: Any) -> None:
+        super().__init__(**knobs)
 
     def _unit_config(self) -> UnitConfig:
         cfg = super()._unit_config()
@@ -196,4 +157,4 @@ class FSDPShardStrategy(Zero3Strategy):
 
 
 for _cls in (Zero3Strategy, FSDPShardStrategy):
-    describe(_cls, _zero.__doc__, __doc__)
+    describe(_cls)

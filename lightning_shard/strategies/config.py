@@ -1,0 +1,245 @@
+"""The knobs of the lightning_shard strategies, written once: name, type, default, choices, documentation, and the
+rules their values must obey.
+
+Everything else is derived from these dataclasses: the strategy classes' keyword-only signatures, ``KNOBS`` and
+"Knobs" docstring sections (``strategies/knobs.py``), the Hydra structured-config schemas (``app/schema.py``, so
+``conf/strategy/*.yaml`` hold only what differs from the defaults), the value choices the pre-launch check offers
+(``app/checks.py``) and the README's knob table (checked by tests/test_knob_list.py).
+
+Each field's ``metadata``: ``doc`` (the text ``help()`` shows), optionally ``choices`` (the accepted values, checked
+by :meth:`ZeroConfig.validate` and before launch) and ``hydra=False`` for a knob that is not a Hydra key (``stage``:
+the Hydra option, e.g. ``strategy=zero1``, chooses it). Torch and Lightning only: no Hydra here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional, Union
+
+from ..core.engine import parse_reduce_dtype
+from .layout import validate_shard_size
+
+
+def knob(default: Any, doc: str, *, choices: Optional[tuple] = None, hydra: bool = True) -> Any:
+    """A documented knob field."""
+    meta: dict[str, Any] = {"doc": " ".join(doc.split())}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if not hydra:
+        meta["hydra"] = False
+    return field(default=default, metadata=meta)
+
+
+def _is_seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+def _is_mib(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """zero0 / zero1 / zero2 (``ZeroStrategy`` and its presets)."""
+
+    STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2)
+
+    stage: Optional[int] = knob(None, "ZeRO stage (0, 1 or 2); None = the strategy class's own (0/1/2 for "
+                                      "zero0/1/2).", hydra=False)
+    accumulation: str = knob("auto", """What non-boundary micro-batches communicate: ``defer`` nothing (full gradients
+        held until the boundary); ``per_micro_batch`` (zero2 only) reduce-scatters every micro-batch into an fp32 shard
+        accumulator and frees the full gradients; ``auto`` picks one at setup and logs why.""",
+                             choices=("auto", "defer", "per_micro_batch"))
+    bucket_mb: float = knob(25.0, """Gradient bucket size in MiB (zero0-2; no effect at stage 3, where units are the
+        buckets). Larger buckets: fewer collectives; smaller: earlier overlap with backward.""")
+    reduce_dtype: Optional[str] = knob(None, """``None`` (fp32 reduction, default) or ``"bf16"``/``"fp16"``/``"fp32"``
+        to reduce gradients in that precision.""", choices=(None, "fp32", "bf16", "fp16"))
+    overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
+    broadcast_buffers: bool = knob(True, "Broadcast buffers (BatchNorm statistics) from rank 0 after every "
+                                         "optimizer step.")
+    start_method: str = knob("popen", """``"popen"`` (re-runs the script per rank like DDP), ``"fork"``,
+        ``"spawn"`` or ``"forkserver"``.""", choices=("popen", "fork", "spawn", "forkserver"))
+    process_group_backend: Optional[str] = knob(None, """``None`` (``nccl`` on CUDA, ``gloo`` on CPU) or a backend
+        name for ``torch.distributed.init_process_group``.""")
+    timeout_s: float = knob(1800.0, """Collective timeout in seconds: a rank that died or stalled ends the job with an
+        error naming the collective instead of a hang.""")
+    startup_timeout_s: float = knob(1800.0, """How long the ranks may take to find each other at start-up: slow
+        imports on a loaded machine or ranks started minutes apart by a scheduler are not a collective timeout.""")
+    allow_custom_optimizer: bool = knob(False, "Accept optimizers not known to be element-wise (see "
+                                               "``core/optim.py``).")
+    find_unused_parameters: bool = knob(True, """``True``: parameters that got no gradient on any rank in a window are
+        left out of the step exactly as torch leaves a parameter whose ``.grad`` is None (no momentum, weight decay or
+        Adam step), so the result is that of one process; costs one all-reduce of one byte per parameter per optimizer
+        step. ``False`` skips that all-reduce: such parameters step with a zero gradient (momentum and weight decay
+        still move them) and a warning names them once per rank.""")
+    shard_size: Union[None, int, str] = knob(None, """Hybrid sharding: ``None`` shards over every rank; an integer S
+        shards inside groups of S consecutive ranks and replicates across groups (gradients: reduce-scatter inside the
+        group, one all-reduce of the shard across groups at the boundary); ``"auto"`` takes S from ``topology``'s
+        islands.""")
+    topology: Optional[str] = knob(None, """Preset name (``conf/topology``), capture file, or ``"detect"``: used by
+        ``shard_size="auto"`` and by the placement check at setup (a warning when traffic crosses slow links
+        needlessly); ``None``: no check.""")
+    strict_placement: bool = knob(False, "Make the placement warning (ranks spanning slow links) an error.")
+    optim_chunk_mb: float = knob(4.0, """The optimizer steps the shard in views of this many MiB: identical results,
+        cache-friendly on CPU.""")
+    overlap_param_gather: bool = knob(True, """zero1/zero2 all-gather updated parameters in the background after the
+        step; each module waits for its own bucket in its forward.""")
+    state_dict_type: str = knob("sharded", """``"sharded"`` (each rank writes its shards into a checkpoint directory,
+        committed atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.""",
+                                choices=("sharded", "full"))
+    skip_nonfinite: Optional[bool] = knob(None, """fp32/bf16: ``None`` (no check), ``True`` (a non-fp16 step whose
+        gradients hold inf/nan is skipped on every rank with a warning naming the parameter), ``False`` (raise with
+        that name). One small all-reduce per step when set. fp16 always uses agreed loss scaling instead.""")
+    debug_collectives: bool = knob(False, """Check at every optimizer step that all ranks issued the same collectives
+        (a desync names the first differing one). Model fingerprints are always compared at setup.""")
+
+    # ------------------------------------------------------------------ the knobs, as data
+    @classmethod
+    def knobs(cls) -> tuple[dataclasses.Field, ...]:
+        return dataclasses.fields(cls)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def choices(cls, name: str, stage: Optional[int] = None) -> Optional[tuple]:
+        """The values knob ``name`` accepts (None: not a choice knob); ``stage`` narrows ``accumulation``."""
+        valid = cls.__dataclass_fields__[name].metadata.get("choices")
+        if name == "accumulation" and valid is not None and stage is not None and stage < 2:
+            # zero0/zero1 hold full gradients anyway: per_micro_batch is zero2's
+            valid = tuple(v for v in valid if v != "per_micro_batch")
+        return valid
+
+    # ------------------------------------------------------------------ the rules, once
+    def _check_choice(self, name: str) -> None:
+        valid = self.choices(name)
+        if getattr(self, name) not in valid:
+            raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+
+    def validate(self, owner: Optional[str] = None) -> "ZeroConfig":
+        """Raise ValueError naming the knob and the fix; normalise numbers. ``owner``: the strategy class named in
+        messages. ``stage`` must be set (the strategy resolves ``None`` to its own stage first)."""
+        owner = owner or type(self).__name__
+        stage = self.stage
+        if stage not in self.STAGES:
+            raise ValueError(f"stage must be one of {self.STAGES} for {owner}, got {stage!r}"
+                             + ("; use Zero3Strategy or FSDPShardStrategy for stage 3" if stage == 3 else ""))
+        self._check_choice("accumulation")
+        if self.accumulation not in self.choices("accumulation", stage):
+            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (zero2); zero{stage} holds "
+                             "full gradients anyway: use accumulation='defer' or 'auto'.")
+        if not _is_mib(self.bucket_mb):
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
+        self._check_choice("start_method")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if not _is_seconds(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+        parse_reduce_dtype(self.reduce_dtype)  # also takes torch dtypes and long names ("bfloat16")
+        validate_shard_size(self.shard_size)
+        if self.shard_size is not None and stage == 0:
+            raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: drop shard_size, "
+                             "or use zero2/zero3 with shard_size for hybrid sharding")
+        if not _is_mib(self.optim_chunk_mb):
+            raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {self.optim_chunk_mb!r}")
+        self._check_choice("state_dict_type")
+        if self.skip_nonfinite not in (None, True, False):
+            raise ValueError(f"skip_nonfinite must be None (no check), True (skip the step with a warning) or False "
+                             f"(raise), got {self.skip_nonfinite!r}")
+        self.bucket_mb, self.optim_chunk_mb = float(self.bucket_mb), float(self.optim_chunk_mb)
+        return self
+
+
+def _param_init_fn() -> Any:
+    return knob(None, """Deferred init (``configure_model``): called as ``fn(module)`` to initialise a module's own
+        parameters; ``None``: the module's ``reset_parameters()``.""")
+
+
+@dataclass(kw_only=True)
+class Zero3Config(ZeroConfig):
+    """zero3: parameters sharded too; every module with direct parameters is a unit."""
+
+    STAGES: ClassVar[tuple[int, ...]] = (3,)
+
+    accumulation: str = knob("auto", """``"per_micro_batch"`` (reduce-scatter every micro-batch into an fp32 shard
+        accumulator), ``"keep_unsharded_grads"`` (hold full gradients over the window, one reduce-scatter per step),
+        ``"keep_params"`` (parameters stay gathered over the window: one all-gather and one reduce-scatter per step),
+        or ``"auto"`` (picks one at setup and logs why).""",
+                             choices=("auto", "per_micro_batch", "keep_unsharded_grads", "keep_params"))
+    reshard_after_forward: bool = knob(True, """Free a unit's full parameters after its forward (full shard); False
+        keeps them until its backward (ZeRO-2-like traffic, more memory).""")
+    prefetch_depth: int = knob(1, "Units all-gathered ahead of use, in forward and in backward (0 disables).")
+    param_init_fn: Optional[Callable] = _param_init_fn()
+    leaf_modules: Any = knob(None, """Module classes, class names or FQNs whose whole subtree is one unit, gathered in
+        the leaf's own forward (a mixture-of-experts block, a module whose code reads its children's weights). A
+        parameter read by a parent's code (``self.out_proj.weight``) is put in the parent's unit automatically, and
+        uses the scan misses are found in the first step (core/guard.py).""")
+
+    def validate(self, owner: Optional[str] = None) -> "Zero3Config":
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True (free parameters after forward) or False (keep "
+                             f"them until backward), got {self.reshard_after_forward!r}")
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an integer >= 0 (units gathered ahead), got "
+                             f"{self.prefetch_depth!r}")
+        if self.leaf_modules is not None and not isinstance(self.leaf_modules, (str, type, list, tuple)):
+            raise ValueError(f"leaf_modules must be a module class, a class name, a module FQN or a list of them, got "
+                             f"{self.leaf_modules!r}")
+        if isinstance(self.leaf_modules, (list, tuple)):
+            self.leaf_modules = list(self.leaf_modules)
+        super().validate(owner)
+        return self
+
+
+def _wrap_classes() -> Any:
+    return knob("auto", """Which modules become units: classes or class names (e.g. ``["Block"]``); ``"auto"``: the
+        blocks held in ``nn.ModuleList``s (a model with none is one unit, gathered around each step). The plan is logged
+        once at setup.""")
+
+
+def _min_params() -> Any:
+    return knob(None, "Or: modules with at least this many parameters become units.")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig(Zero3Config):
+    """fsdp_shard: units chosen by a wrap policy."""
+
+    wrap_classes: Any = _wrap_classes()
+    min_params: Optional[int] = _min_params()
+
+    def validate(self, owner: Optional[str] = None) -> "FSDPConfig":
+        if self.wrap_classes is None and self.min_params is None:
+            raise ValueError("fsdp_shard needs a wrap policy: wrap_classes='auto' (default: the blocks held in "
+                             "nn.ModuleLists), wrap_classes=[YourBlock] (classes or class names) or min_params=N; or "
+                             "use strategy zero3 for per-module units")
+        if self.min_params is not None and (not isinstance(self.min_params, int) or self.min_params < 1):
+            raise ValueError(f"min_params must be a positive integer, got {self.min_params!r}")
+        super().validate(owner)
+        return self
+
+
+@dataclass(kw_only=True)
+class AutoConfig(Zero3Config):
+    """strategy=auto: the planner picks the stage, policy and layout at setup (any stage; the stage-3 knobs and the
+    wrap policy apply if it picks zero3 / fsdp_shard)."""
+
+    STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3)
+
+    topology: Optional[str] = knob("detect", """The machine the planner plans for: preset name (``conf/topology``),
+        capture file, or ``"detect"`` (the live machine); also used by the placement check.""")
+    wrap_classes: Any = _wrap_classes()
+    min_params: Optional[int] = _min_params()
+    global_batch_size: Optional[int] = knob(None, """The global batch the planner's compute estimate assumes; ``None``:
+        derived from ``accumulate_grad_batches`` and the micro-batch.""")
+    micro_batch_size: Optional[int] = knob(None, "The micro-batch the planner assumes; ``None``: 1.")
+
+
+CONFIGS: tuple[type[ZeroConfig], ...] = (ZeroConfig, Zero3Config, FSDPConfig, AutoConfig)
+
+__all__ = ["AutoConfig", "CONFIGS", "FSDPConfig", "Zero3Config", "ZeroConfig", "knob"]
