@@ -16,7 +16,8 @@ import pickle
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 READY = "ready"
 
@@ -102,3 +103,15 @@ class World:
             p.join(timeout=0 if force else 10)
             if p.is_alive():
                 p.kill()
+
+
+@contextmanager
+def fresh_world(size: int, nodes: int = 1, force_close: bool = False) -> Iterator[World]:
+    """A World of its own for one test (a crash, a wrong world size, a simulated second node), closed after it;
+    the other tests share the per-module ``worlds(n)`` fixture of conftest.py. ``force_close``: after a test
+    that killed a rank."""
+    w = World(size, nodes=nodes)
+    try:
+        yield w
+    finally:
+        w.close(force=force_close)

@@ -12,7 +12,7 @@ built from the row's ``StrategyConfig.kwargs()`` (the strategy classes' own knob
 * Python: ``Trainer(strategy=<Class>(<knobs that differ from the class defaults>), devices=..., ...)``.
 
 No Hydra and no Lightning here (DESIGN section 3): the configs are read as YAML, the class names and defaults
-are mirrored below, and tests/test_planner_advice.py composes and instantiates every row both ways.
+are mirrored below, and tests/config/test_planner_advice.py composes and instantiates every row both ways.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ RECIPE_PLACEHOLDER = "YOUR_RECIPE"
 CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2Strategy",
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies
 # keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
-# which the planner may not import; tests/test_knob_list.py checks it)
+# which the planner may not import; tests/config/test_knob_list.py checks it)
 CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 1,
                   "wrap_classes": "auto", "min_params": None, "shard_size": None, "topology": None}
 _MISSING = object()

@@ -3,8 +3,8 @@
 ``StrategyConfig`` mirrors the registered strategies' knobs (written once in ``strategies/config.py``, which the
 planner may not import: it would load Lightning, and planner never imports the strategies, DESIGN section 3);
 ``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes, with the strategies' own accumulation
-names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``). tests/test_planner_advice.py builds every
-planned row with the real classes and tests/test_knob_list.py compares ``POLICIES`` with the knob dataclasses'
+names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``). tests/config/test_planner_advice.py builds every
+planned row with the real classes and tests/config/test_knob_list.py compares ``POLICIES`` with the knob dataclasses'
 choices, so the mirror cannot drift.
 """
 
@@ -24,7 +24,7 @@ PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, 
 }
 # accumulation policies per stage, named as the strategies accept them (the ``accumulation`` choices of
 # strategies/config.py ZeroConfig / Zero3Config, less "auto"; zero0/zero1 hold full gradients, so only zero2 has
-# per_micro_batch). A mirror: tests/test_knob_list.py checks it.
+# per_micro_batch). A mirror: tests/config/test_knob_list.py checks it.
 POLICIES = {0: ("defer",), 1: ("defer",), 2: ("defer", "per_micro_batch"),
             3: ("per_micro_batch", "keep_unsharded_grads", "keep_params")}
 STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}  # registered name -> ZeRO stage

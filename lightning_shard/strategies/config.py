@@ -4,7 +4,7 @@ rules their values must obey.
 Everything else is derived from these dataclasses: the strategy classes' keyword-only signatures, ``KNOBS`` and
 "Knobs" docstring sections (``strategies/knobs.py``), the Hydra structured-config schemas (``app/schema.py``, so
 ``conf/strategy/*.yaml`` hold only what differs from the defaults), the value choices the pre-launch check offers
-(``app/checks.py``) and the README's knob table (checked by tests/test_knob_list.py).
+(``app/checks.py``) and the README's knob table (checked by tests/config/test_knob_list.py).
 
 Each field's ``metadata``: ``doc`` (the text ``help()`` shows), optionally ``choices`` (the accepted values, checked
 by :meth:`ZeroConfig.validate` and before launch) and ``hydra=False`` for a knob that is not a Hydra key (``stage``:

@@ -58,7 +58,7 @@ def test_checkpoint_pieces_cover_each_parameter_once(shape_list, world):
         assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
 
 
-CAPTURES = sorted((Path(__file__).parent / "assets" / "topology").glob("*.txt"))
+CAPTURES = sorted((Path(__file__).parents[1] / "assets" / "topology").glob("*.txt"))
 texts = [p.read_text() for p in CAPTURES]
 
 

@@ -16,7 +16,6 @@ from lightning_shard.planner.config import Job, StrategyConfig
 from lightning_shard.planner.layout import groups_of, plan_layout
 from lightning_shard.planner.memory import state_bytes
 from lightning_shard.planner.traffic import buffer_groups, step_collectives, summarize
-from tests.harness import World
 from tests.scenarios import SMALL_BUCKETS, fit_zero
 from tests.zoo import make_module
 

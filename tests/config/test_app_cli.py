@@ -21,7 +21,7 @@ import lightning as L
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEPT = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
 # gpt_test, as conf/recipe/gpt_test.yaml: 4 optimizer steps, validation every 2 (so the last one is at step 4)
 COMMON = ["recipe=gpt_test", "trainer=quiet", "callbacks=minimal", "seed=1234"]

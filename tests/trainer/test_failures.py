@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-JOB = Path(__file__).with_name("failure_job.py")
+JOB = Path(__file__).parents[1] / "failure_job.py"
 
 
 def run_job(mode: str, out: Path, limit: float = 240) -> tuple[int, str, float]:

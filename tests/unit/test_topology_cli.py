@@ -11,7 +11,7 @@ import pytest
 
 from lightning_shard.cli import SUBCOMMANDS, build_parser, main
 
-ASSETS = Path(__file__).parent / "assets" / "topology"
+ASSETS = Path(__file__).parents[1] / "assets" / "topology"
 
 
 def _json(capsys, argv):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy
-from tests.harness import World
+from tests.harness import fresh_world
 
 WIDTH, DEPTH = 512, 8
 
@@ -88,10 +88,8 @@ def full_init_reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
+def world4(worlds):
+    return worlds(4)  # the shared per-module World (conftest.py)
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
@@ -230,11 +228,8 @@ def eval_loops() -> dict[str, Any]:
 
 
 def test_validation_metrics_predict_and_eval_after_fit():
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         res = w.run(eval_loops)
-    finally:
-        w.close()
     assert res[0]["shapes"] == [(16, 6), (16,), (3, 16), (3,)]
     assert res[0]["val"] == res[1]["val"] and res[0]["val"] > 0  # torchmetrics synced over ranks
     expected = {0: [0, 2, 4], 1: [1, 3]}  # Lightning splits predict data over ranks without padding
@@ -296,11 +291,8 @@ def twice_fit(kind: str) -> dict[str, Any]:
 def test_module_called_twice_matches_reference(kind):
     from tests.zoo import MICRO
 
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         res = w.run(twice_fit, kind)
-    finally:
-        w.close()
     L.seed_everything(0, verbose=False)
     ref = _Twice()
     L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2, logger=False,
@@ -333,11 +325,8 @@ def gathered_inside() -> dict[str, Any]:
 
 
 def test_gathered_params_context_gives_full_weights():
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         res = w.run(gathered_inside)
-    finally:
-        w.close()
     for r in res:
         assert r["before"] == (0,) and r["after"] == (0,)  # sharded placeholders outside the block
         assert r["inside"] == (8, 8) and r["norm"] > 0

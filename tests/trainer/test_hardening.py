@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from tests.harness import World
+from tests.harness import fresh_world
 from tests.scenarios import fit_zero
 from tests.zoo import max_diff, params_of, reference_fit
 
@@ -22,10 +22,8 @@ ALL = {
 
 
 @pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
+def world2(worlds):
+    return worlds(2)  # the shared per-module World (conftest.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,11 +84,8 @@ def test_many_small_parameters_are_bucketed(stage):
     process, and the reduce-scatters per step are bounded by the buckets, not the parameter count."""
     from tests.hardening_scenarios import ManyParams, many_params_data
 
-    w = World(4)
-    try:
+    with fresh_world(4) as w:
         res = w.run(_many, stage)
-    finally:
-        w.close()
     import lightning as L
     from torch.utils.data import DataLoader
 

@@ -40,7 +40,7 @@ from lightning_shard.strategies import AutoStrategy
 from lightning_shard.topology import list_presets, load_preset
 from lightning_shard.train import CONF_DIR, check_config
 
-CAPTURE = Path(__file__).parent / "assets" / "topology" / "f08_h100_nvl_pairs.txt"
+CAPTURE = Path(__file__).parents[1] / "assets" / "topology" / "f08_h100_nvl_pairs.txt"
 KNOBS = ("accumulation", "bucket_mb", "reshard_after_forward", "prefetch_depth", "wrap_classes", "min_params",
          "shard_size")
 
@@ -313,7 +313,7 @@ def test_auto_strategy_agrees_with_the_cli(model, topology, gpus, global_batch, 
 
 
 # ------------------------------------------------------------------------------------------------ docs
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SHOWN = ("│", "rows by step time", "recommended:", "hydra:", "python:", "Trainer(", "note:")
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_shard.core.engine import ShardEngine
 from lightning_shard.strategies import Zero1Strategy, Zero2Strategy, ZeroStrategy
-from tests.harness import World
+from tests.harness import fresh_world
 
 
 def test_unknown_knob_names_the_close_match():
@@ -93,10 +93,7 @@ def fit_with_devices(devices: int) -> str:
 
 
 def test_mismatched_world_size():
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         msgs = w.run(fit_with_devices, 4)
-    finally:
-        w.close()
     for m in msgs:
         assert "2 ranks already exists" in m and "devices" in m, m

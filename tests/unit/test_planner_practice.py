@@ -2,7 +2,7 @@
 
 ~1B (gpt_1b: 1.32B) and ~7B (gpt_7b: 6.59B) GPT models, bf16 parameters with fp32 masters and Adam
 (precision="bf16-true"), micro-batch 1 x the model's context. ``practice_table()`` also writes the table of
-docs/planner.md (python -m tests.test_planner_practice).
+docs/planner.md (python -m tests.unit.test_planner_practice).
 """
 
 from __future__ import annotations

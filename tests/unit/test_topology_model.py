@@ -12,7 +12,7 @@ from lightning_shard.topology import Topology, from_capture, list_presets, load_
 from lightning_shard.topology.links import Fabric
 from lightning_shard.topology.presets import PRESET_DIR, build_preset, read_preset
 
-ASSETS = Path(__file__).parent / "assets" / "topology"
+ASSETS = Path(__file__).parents[1] / "assets" / "topology"
 
 # preset: (devices, nodes, islands, pair classes, slowest island ring GB/s)
 PRESETS = {

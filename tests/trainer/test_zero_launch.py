@@ -6,10 +6,10 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shard.strategies import Zero1Strategy, Zero2Strategy
-from tests.harness import World
+from tests.harness import fresh_world
 
 
 class _Probe(L.LightningModule):
@@ -44,11 +44,8 @@ def injected_sampler() -> dict:
 
 
 def test_distributed_sampler_is_injected_and_logs_reduce():
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         res = w.run(injected_sampler)
-    finally:
-        w.close()
     assert [r["type"] for r in res] == ["DistributedSampler", "DistributedSampler"]
     assert [(r["replicas"], r["rank"]) for r in res] == [(2, 0), (2, 1)]
     assert not set(res[0]["seen"]) & set(res[1]["seen"])  # each rank reads its own part of the data

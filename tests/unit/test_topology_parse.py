@@ -12,7 +12,7 @@ from lightning_shard.topology import NotATopologyMatrix, TopologyParseError, fro
 from lightning_shard.topology.model import parse_cpu_list
 from lightning_shard.topology.parse import split_cells
 
-ASSETS = Path(__file__).parent / "assets" / "topology"
+ASSETS = Path(__file__).parents[1] / "assets" / "topology"
 ALL8 = ((0, 1, 2, 3, 4, 5, 6, 7),)
 SINGLE8 = tuple((i,) for i in range(8))
 

@@ -106,7 +106,7 @@ def test_switch_transformer_experts_differ_between_ranks(worlds):
     assert any(ran[0][s] != ran[1][s] for s in ran[0]), ran
 
 
-JOB = Path(__file__).with_name("failure_job.py")
+JOB = Path(__file__).parents[1] / "failure_job.py"
 
 
 def test_ranks_that_diverge_after_the_first_step_fail_naming_the_unit(tmp_path):

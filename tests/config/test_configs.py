@@ -26,7 +26,7 @@ from lightning_shard.batching import derive_accumulation
 from lightning_shard.strategies import REGISTERED
 from lightning_shard.train import REQUIRED_KEYS, build_callbacks, build_loggers, build_trainer_kwargs, check_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _options(group: str) -> list[str]:

@@ -11,14 +11,11 @@ from torch import nn
 
 from lightning_shard.core import collectives as C
 from lightning_shard.core.engine import ShardEngine
-from tests.harness import World
 
 
 @pytest.fixture(scope="module")
-def w():
-    world = World(2)
-    yield world
-    world.close()
+def w(worlds):
+    return worlds(2)  # the shared per-module World (conftest.py)
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:

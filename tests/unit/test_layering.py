@@ -15,7 +15,7 @@ from typing import Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "lightning_shard"
 
 

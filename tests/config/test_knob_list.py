@@ -22,7 +22,7 @@ from lightning_shard.strategies import (AutoStrategy, FSDPShardStrategy, Zero0St
 from lightning_shard.strategies.config import CONFIGS, AutoConfig, FSDPConfig, Zero3Config, ZeroConfig
 from lightning_shard.strategies.knobs import LIGHTNING_ARGS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "lightning_shard"
 STRATEGIES = (ZeroStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy, FSDPShardStrategy, AutoStrategy)
 KNOB_NAMES = {f.name for c in CONFIGS for f in dataclasses.fields(c)}

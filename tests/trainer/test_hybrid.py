@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from tests.harness import World
+from tests.harness import fresh_world
 from tests.scenarios import fit_zero
 from tests.zoo import max_diff, params_of, reference_fit
 
@@ -21,10 +21,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
+def world4(worlds):
+    return worlds(4)  # the shared per-module World (conftest.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,12 +67,9 @@ def test_shard_size_must_divide_world(world4):
 def test_two_local_nodes_build_node_aware_groups_and_match():
     """Two simulated nodes of 2 ranks (NODE_RANK/LOCAL_RANK as torchrun sets them): with the per-node `cpu`
     topology, shard_size='auto' shards inside each node and replicates across nodes; training matches."""
-    w = World(4, nodes=2)
-    try:
+    with fresh_world(4, nodes=2) as w:
         results = w.run(fit_zero, 3, "per_micro_batch", 3, model="tiny_lm", num_nodes=2,
                         strategy_kwargs={"shard_size": "auto", "topology": "cpu", "wrap_classes": ["Block"]})
-    finally:
-        w.close()
     ref, _ = reference(3)
     for r in results:
         assert r["axes"] == {"replicate": 2, "shard": 2}

@@ -14,7 +14,7 @@ from lightning_shard.cli import main as cli
 from lightning_shard.core.checkpoint import CheckpointError, Reader
 from lightning_shard.core.consolidate import lightning_checkpoint
 from tests.ckpt_scenarios import fit_ckpt, plain_fit, save_then_crash
-from tests.harness import World
+from tests.harness import fresh_world
 from tests.zoo import ZooNet, max_diff, params_of
 
 
@@ -81,8 +81,6 @@ def test_resume_from_last_and_save_top_k_removes_directories(worlds, tmp_path):
     assert names == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"], names
     assert not list(tmp_path.glob("*.tmp-*"))
     # save_top_k=1 keeps one directory: older ones are removed as directories
-    from tests import ckpt_scenarios
-
     keep = tmp_path / "keep"
     worlds(2).run(_fit_top1, str(keep))
     assert len([p for p in keep.iterdir() if p.name.startswith("epoch")]) == 1
@@ -146,14 +144,11 @@ def test_checkpoint_size_has_no_duplication(worlds, tmp_path):
 
 def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     good = tmp_path / "good.ckpt"
-    w = World(2)
-    try:
+    with fresh_world(2, force_close=True) as w:
         w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "first"))
         shutil.copytree(tmp_path / "first" / "epoch=0-step=3.ckpt", good)
         with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
             w.run(save_then_crash, str(tmp_path / "crashed.ckpt"), 1)
-    finally:
-        w.close(force=True)
     assert not (tmp_path / "crashed.ckpt").exists()  # never committed
     leftovers = list(tmp_path.glob("crashed.ckpt.tmp-*"))
     assert leftovers and not (leftovers[0] / "meta.json").exists()
@@ -166,24 +161,18 @@ def test_crash_while_overwriting_last_resumes_from_the_previous_one(tmp_path):
     """``last.ckpt`` is overwritten at every save. A rank dying while the new version is written leaves the
     previous version in place (never a moment without ``last.ckpt``), and ``ckpt_path="last"`` resumes from it:
     at step 3, not from scratch."""
-    w = World(2)
-    try:
+    with fresh_world(2, force_close=True) as w:
         w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path))
         before = json.loads((tmp_path / "last.ckpt" / "meta.json").read_text())
         with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
             w.run(save_then_crash, str(tmp_path / "last.ckpt"), 1)
-    finally:
-        w.close(force=True)
     assert json.loads((tmp_path / "last.ckpt" / "meta.json").read_text()) == before  # still the old version
     assert lightning_checkpoint(Reader(tmp_path / "last.ckpt"))["global_step"] == 3
     half_written = [p for p in (tmp_path / "last.ckpt").iterdir() if p.name.startswith("data-")
                     and p.name != before["data"]]
     assert half_written  # the crashed version's folder, never referenced
-    w = World(2)
-    try:
+    with fresh_world(2) as w:
         runs = w.run(fit_ckpt, "zero2", 6, ckpt_dir=str(tmp_path), resume_from="last")
-    finally:
-        w.close()
     assert all(r["first"] == (3, 1, 0) and r["steps_taken"] == 3 for r in runs), [r["first"] for r in runs]
     assert not any(p.name in {q.name for q in half_written} for p in (tmp_path / "last.ckpt").iterdir())
 

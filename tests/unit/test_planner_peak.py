@@ -24,7 +24,7 @@ from lightning_shard.planner.layout import groups_of, plan_layout
 from lightning_shard.planner.memory import peak_bytes
 from lightning_shard.planner.stats import activation_bytes, transformer_shape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = dict(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
 BATCH = 8
 

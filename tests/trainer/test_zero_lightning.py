@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.scenarios import SMALL_BUCKETS, STEPS, fit_zero
+from tests.scenarios import STEPS, fit_zero
 from tests.zoo import ZooModule, max_diff, params_of, reference_fit
 
 TOL = 1e-5
