@@ -520,8 +520,7 @@ def run_variant(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_shard  # noqa: F401  (registers the strategy names)
-    from lightning_shard.strategies import (FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy,
-                                            Zero3Strategy)
+    from lightning_shard.strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy
 
     variant = args.variant
     pl.seed_everything(args.seed, verbose=False)
@@ -758,7 +757,8 @@ def _header(doc: dict[str, Any], title: str) -> list[str]:
 
 def _phase_rows(doc: dict[str, Any]) -> list[str]:
     lines = [
-        "| variant | forward | backward+sync | optimizer+sync | engine post_backward | engine finish_step | median step | final loss |",
+        "| variant | forward | backward+sync | optimizer+sync | engine post_backward | engine finish_step "
+        "| median step | final loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for v, r in doc["results"].items():
@@ -815,7 +815,7 @@ def markdown_zero3(doc: dict[str, Any]) -> str:
             lines.append(f"| {v} | failed | | | | | | | | {r['note']}; {r['error']} (see {doc['suite']}.json log_tail) |")
             continue
         fmt = lambda xs, d=1: " / ".join(f"{x:.{d}f}" for x in xs)  # noqa: E731
-        ratio = lambda k: f"{r[k]:.3f}" if r.get(k) else "n/a"  # noqa: E731
+        ratio = lambda k, r=r: f"{r[k]:.3f}" if r.get(k) else "n/a"  # noqa: E731
         reps = "/".join(f"{x['tokens_per_s_mean']:.0f}" for x in r.get("repeats", []))
         note = f"{r['note']}; tok/s per repeat {reps}; final loss {r['final_loss_rank0']:.4f}"
         if r.get("reused_from_suite"):

@@ -24,8 +24,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_shard.app.config import (CONF_DIR, REQUIRED_KEYS, build_callbacks, build_loggers,
-                                        build_trainer_kwargs, check_config, register)
+from lightning_shard.app.config import (
+    CONF_DIR,
+    REQUIRED_KEYS,
+    build_callbacks,
+    build_loggers,
+    build_trainer_kwargs,
+    check_config,
+    register,
+)
 from lightning_shard.app.preflight import explain, preflight, sweep_combinations
 from lightning_shard.app.run import SweepReport, fit, run_isolated
 

@@ -2,8 +2,8 @@
 
 ``HFCausalLM(name_or_path=...)`` loads a local directory or a hub id with ``AutoModelForCausalLM``;
 ``HFCausalLM(config={"model_type": "llama", ...})`` builds a random-init model from a config dict when no
-``name_or_path`` is given (offline; used by the tests). ``lora={"r": 8, "alpha": 16, "targets": "auto"}`` freezes the base and trains
-only the adapters (``recipes/lora.py``); ``lora=None`` trains every parameter.
+``name_or_path`` is given (offline; used by the tests). ``lora={"r": 8, "alpha": 16, "targets": "auto"}`` freezes the
+base and trains only the adapters (``recipes/lora.py``); ``lora=None`` trains every parameter.
 
 Data: the standard library's sources (``recipes/corpus.py``), tokenized by the model's tokenizer
 (``HFTextDataModule(tokenizer=<name_or_path>)``) or read as bytes when ``tokenizer`` is None (then the model's
@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from recipes.lm_steps import CausalLMSteps
-
 from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
 from recipes.gpt import warmup_cosine
+from recipes.lm_steps import CausalLMSteps
 from recipes.lora import apply_lora
 
 

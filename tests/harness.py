@@ -15,8 +15,8 @@ import os
 import pickle
 import socket
 import traceback
-from datetime import timedelta
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 READY = "ready"

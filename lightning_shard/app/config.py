@@ -98,7 +98,7 @@ def build_callbacks(cfg: DictConfig, run_dir: Optional[str] = None) -> list[Any]
     """The ``callbacks`` group's callbacks; a ``ModelCheckpoint`` without ``dirpath`` writes to
     ``<run_dir>/checkpoints``. Callbacks the trainer config switches off (progress bar, checkpointing) are left out."""
     out = []
-    for name, node in (cfg.get("callbacks") or {}).items():
+    for node in (cfg.get("callbacks") or {}).values():
         if node is None:
             continue
         cb = instantiate(node, _convert_="all")

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import ConfigError, did_you_mean
 from .config import _OWNED_TRAINER_KEYS, CONF_DIR, check_config, owned_key_message, trainer_keywords
 
+
 def _compose(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -24,6 +24,7 @@ from .report import write_report, write_summary
 from .resume import FinalCheckpoint, resolve_ckpt_path
 from .summary import _choices, full_summary, log_to_run_files, print_next_steps, print_summary
 
+
 def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     log_to_run_files()

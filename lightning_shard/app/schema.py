@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 from lightning_shard.strategies.config import AutoConfig, FSDPConfig, Zero3Config, ZeroConfig
 
-
 # ------------------------------------------------------------------------------------------ strategy/
 _OMEGACONF_TYPES = (str, int, float, bool)
 

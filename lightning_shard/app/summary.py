@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_shard.callbacks import CommSummary
 
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -27,5 +27,5 @@ for _name, (_cls, _what, _params) in REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=f"lightning_shard {_what}", **_params)
 
-__all__ = ["AutoStrategy", "FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy", "Zero1Strategy", "Zero2Strategy",
-           "Zero3Strategy", "ZeroStrategy"]
+__all__ = ["AutoStrategy", "FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy",
+           "Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy"]

@@ -21,8 +21,17 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..core import collectives as C
-from ..core.checkpoint import CheckpointError, Reader, commit, data_dir_for, is_sharded_checkpoint, model_mismatch, \
-    rank_file, write_rank_file, write_trainer_state
+from ..core.checkpoint import (
+    CheckpointError,
+    Reader,
+    commit,
+    data_dir_for,
+    is_sharded_checkpoint,
+    model_mismatch,
+    rank_file,
+    write_rank_file,
+    write_trainer_state,
+)
 from ..core.consolidate import lightning_checkpoint, model_state
 from ..core.engine_ckpt import collect_pieces
 

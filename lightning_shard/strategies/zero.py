@@ -17,8 +17,8 @@ from typing import Any, Generator, Optional, Union
 
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -27,8 +27,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from ..core import collectives as C
 from ..core.engine import ShardEngine, sync_module_states
-from .checkpointing import CheckpointMixin
 from . import summary
+from .checkpointing import CheckpointMixin
 from .config import ZeroConfig
 from .knobs import LIGHTNING_ARGS, describe, takes_knobs_of
 from .layout import Groups, check_job_placement, make_groups, resolve_topology

@@ -89,7 +89,8 @@ class Topology:
         n = len(tokens)
         devs = list(devices) if devices is not None else [Device(index=i, name=f"GPU{i}", local_index=i) for i in range(n)]
         if len(devs) != n or any(len(row) != n for row in tokens):
-            raise ValueError(f"{name}: a topology matrix must be {len(devs)} x {len(devs)}; got rows of {[len(r) for r in tokens]}")
+            raise ValueError(f"{name}: a topology matrix must be {len(devs)} x {len(devs)}; got rows of "
+                             f"{[len(r) for r in tokens]}")
         classes: list[list[tuple[LinkClass, int]]] = []
         for i, row in enumerate(tokens):
             out = []

@@ -38,7 +38,7 @@ def best_ring(devices: Sequence[int], bw: BwFn) -> tuple[float, tuple[int, ...]]
         return ring_gbps(devs, bw), tuple(devs)
     thresholds = sorted({bw(a, b) for i, a in enumerate(devs) for b in devs[i + 1 :]}, reverse=True)
     for t in thresholds:
-        order = _hamiltonian_cycle(devs, lambda a, b: bw(a, b) >= t)
+        order = _hamiltonian_cycle(devs, lambda a, b, t=t: bw(a, b) >= t)
         if order is not None:
             return ring_gbps(order, bw), tuple(order)
     raise AssertionError("unreachable: the lowest threshold admits every pair")  # pragma: no cover

@@ -17,8 +17,15 @@ import yaml
 
 from lightning_shard.app.checks import ConfigError, check_strategy
 from lightning_shard.app.schema import SCHEMAS
-from lightning_shard.strategies import (AutoStrategy, FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy,
-                                        Zero3Strategy, ZeroStrategy)
+from lightning_shard.strategies import (
+    AutoStrategy,
+    FSDPShardStrategy,
+    Zero0Strategy,
+    Zero1Strategy,
+    Zero2Strategy,
+    Zero3Strategy,
+    ZeroStrategy,
+)
 from lightning_shard.strategies.config import CONFIGS, AutoConfig, FSDPConfig, Zero3Config, ZeroConfig
 from lightning_shard.strategies.knobs import LIGHTNING_ARGS
 

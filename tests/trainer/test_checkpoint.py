@@ -18,8 +18,6 @@ from tests.harness import fresh_world
 from tests.zoo import ZooNet, max_diff, params_of
 
 
-
-
 @pytest.mark.parametrize("kind", ["zero0", "zero1", "zero2", "zero3", "fsdp"])
 def test_exact_resume_sharded(worlds, tmp_path, kind):
     straight = worlds(2).run(fit_ckpt, kind, 6, ckpt_dir=str(tmp_path), optimizer="adam")

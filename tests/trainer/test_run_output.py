@@ -81,8 +81,14 @@ def test_every_knob_is_in_the_signature_and_documented_in_the_class_docstring():
     (keyword-only, with its default) and has a line of text in its docstring."""
     import inspect
 
-    from lightning_shard.strategies import (AutoStrategy, FSDPShardStrategy, Zero0Strategy, Zero1Strategy,
-                                            Zero2Strategy, Zero3Strategy)
+    from lightning_shard.strategies import (
+        AutoStrategy,
+        FSDPShardStrategy,
+        Zero0Strategy,
+        Zero1Strategy,
+        Zero2Strategy,
+        Zero3Strategy,
+    )
 
     lightning_args = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
     for cls in (Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy, FSDPShardStrategy, AutoStrategy):

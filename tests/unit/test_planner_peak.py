@@ -67,6 +67,7 @@ def test_predicted_peak_within_25_percent_of_measured_cpu_peak():
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
     import torch
+
     from recipes.gpt import GPT
 
     model = GPT(**SHAPE)

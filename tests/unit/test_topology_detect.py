@@ -129,7 +129,8 @@ def test_cuda_visible_devices_uuids(nvml):
     nvml(fake_nvml(nvl_pairs(), ancestor=_pcie))
     topo = detect(env={"CUDA_VISIBLE_DEVICES": f"{UUID[1][:12]},{UUID[0]}"})
     assert [d.uuid for d in topo.devices] == [UUID[1], UUID[0]] and topo.link(0, 1).nvlinks == 12
-    for bad, words in [("GPU-", "matches 4 GPUs"), ("7", "names no GPU"), ("MIG-abc", "MIG"), ("0,0", "twice"), ("x", "expected an index")]:
+    for bad, words in [("GPU-", "matches 4 GPUs"), ("7", "names no GPU"), ("MIG-abc", "MIG"), ("0,0", "twice"),
+                       ("x", "expected an index")]:
         with pytest.raises(ValueError, match=words):
             detect(env={"CUDA_VISIBLE_DEVICES": bad})
     assert detect(env={"CUDA_VISIBLE_DEVICES": "1,-1,0"}).devices[0].name == "GPU1"  # CUDA stops at -1

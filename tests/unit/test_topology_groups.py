@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_shard.topology import (PlacementError, best_subset, build_layout, check_placement, load_preset)
+from lightning_shard.topology import PlacementError, best_subset, build_layout, check_placement, load_preset
 from lightning_shard.topology.model import Topology
 
 
@@ -51,8 +51,10 @@ def test_multi_node_groups():
     [
         ("hgx_h100_8", dict(world_size=4), "8 devices per node but the job runs 4 ranks per node.*CUDA_VISIBLE_DEVICES=0,1,2,3"),
         ("a100_pcie_4_pairs", dict(world_size=8), "4 devices per node but the job runs 8.*use a preset with 8 devices"),
-        ("hgx_h100_8", dict(world_size=8, shard_size=3), r"shard group size 3 does not divide world size 8 \(8 % 3 = 2\): use one of \[1, 2, 4, 8\]"),
-        ("hgx_h100_8", dict(world_size=8, hybrid=True), "hybrid sharding needs at least 2 islands.*one nvswitch island: use full sharding"),
+        ("hgx_h100_8", dict(world_size=8, shard_size=3),
+         r"shard group size 3 does not divide world size 8 \(8 % 3 = 2\): use one of \[1, 2, 4, 8\]"),
+        ("hgx_h100_8", dict(world_size=8, hybrid=True),
+         "hybrid sharding needs at least 2 islands.*one nvswitch island: use full sharding"),
         ("hgx_h100_8", dict(world_size=6, nodes=4), r"world_size 6 is not a multiple of nodes 4 \(6 % 4 = 2\)"),
         ("hgx_h100_2nodes_ib", dict(world_size=24, nodes=3), "has 2 nodes but the job asks for 3"),
         ("h100_nvl_8", dict(world_size=3, devices=[0, 1, 2], hybrid=True), r"islands of sizes \[2, 1\]"),

@@ -123,7 +123,8 @@ def test_degraded_fabric_warning():
 def test_subset_and_nodes():
     nvl = load_preset("h100_nvl_8")
     sub = nvl.subset([5, 4, 1, 0])
-    assert [d.name for d in sub.devices] == ["GPU5", "GPU4", "GPU1", "GPU0"] and [d.local_index for d in sub.devices] == [0, 1, 2, 3]
+    assert [d.name for d in sub.devices] == ["GPU5", "GPU4", "GPU1", "GPU0"]
+    assert [d.local_index for d in sub.devices] == [0, 1, 2, 3]
     assert [i.devices for i in sub.islands] == [(0, 1), (2, 3)] and sub.link(0, 2).cls is L.CROSS_SOCKET
     three = nvl.replicate_nodes(3)
     assert three.num_nodes == 3 and three.devices_per_node == 8 and len(three.islands) == 12

@@ -26,7 +26,8 @@ CAPTURES = {
     "f09_a100_pcie_pairs.txt": (4, ((0, 1), (2, 3)), {L.NVLINK, L.CROSS_SOCKET}, 300.0, False),
     "f13_dgx2_v100_partial.txt": (16, (tuple(range(16)),), {L.NVSWITCH}, 150.0, True),
     "f17_rtx4090_pcie_tabs.txt": (8, SINGLE8, {L.CROSS_SOCKET}, None, False),
-    "f18_consumer_mixed_numa.txt": (5, tuple((i,) for i in range(5)), {L.CROSS_SOCKET, L.PCIE_HOSTBRIDGE, L.NUMA_NODE}, None, False),
+    "f18_consumer_mixed_numa.txt": (5, tuple((i,) for i in range(5)), {L.CROSS_SOCKET, L.PCIE_HOSTBRIDGE, L.NUMA_NODE},
+                                    None, False),
     "f20_rtx3090_numa_na_tabs.txt": (2, ((0,), (1,)), {L.CROSS_SOCKET}, None, False),
     "f22_pcie_2017_partial.txt": (8, SINGLE8, {L.PCIE_SWITCH, L.PCIE_HOSTBRIDGE, L.CROSS_SOCKET, L.UNKNOWN}, None, True),
 }
