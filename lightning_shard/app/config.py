@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checks import ConfigError, check_all, did_you_mean
 from .launch import topology_fact
-from .resume import CKPT_DIR, check_ckpt_path
+from .resume import CKPT_DIR, resolve_ckpt_path
 from .schema import SCHEMAS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -64,7 +64,7 @@ def check_config(cfg: DictConfig) -> int:
     if unknown:
         raise ConfigError(f"trainer.{unknown[0]}: not a keyword of lightning.Trainer"
                           f"{did_you_mean(unknown[0], sorted(accepted))}; nothing was started")
-    check_ckpt_path(cfg)
+    resolve_ckpt_path(cfg)  # raises when there is nothing to resume from
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in _CHECKED_SECTIONS}
     islands = topology_fact(plain["topology"], "islands_per_node")
     return check_all(plain, islands)

@@ -59,10 +59,6 @@ def resolve_ckpt_path(cfg: DictConfig) -> Optional[str]:
     return str(path)
 
 
-def check_ckpt_path(cfg: DictConfig) -> None:
-    resolve_ckpt_path(cfg)
-
-
 class FinalCheckpoint(L.Callback):
     """Makes ``checkpoints/last.ckpt`` hold the final step: Lightning's ``ModelCheckpoint`` saves on its own
     schedule (``every_n_train_steps``), so a run whose last step is not on it would resume from an older one.

@@ -24,17 +24,23 @@ class _RecordingModule(GPTLightningModule):
         LEDGER.record("all_gather", None, torch.zeros(50), tag="test_step")  # 200 bytes
 
 
-def test_comm_summary_counts_ledger_entries_per_optimizer_step(tmp_path):
+def _fit(tmp_path, callback, steps: int, acc: int, name: str) -> L.Trainer:
+    """A one-process fit of the recording GPT with ``callback``, logging every step to CSV under ``name``."""
     torch.set_num_threads(1)
     L.seed_everything(0)
     dm = StdlibTextDataModule(block_size=16, micro_batch_size=4, max_bytes=50_000, max_val_windows=8)
     module = _RecordingModule(block_size=16, n_layer=1, n_head=2, n_embd=16)
-    comm = CommSummary()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=3,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=acc,
                         limit_val_batches=0, log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[comm],
-                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="t"))
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name=name))
     trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+def test_comm_summary_counts_ledger_entries_per_optimizer_step(tmp_path):
+    comm = CommSummary()
+    trainer = _fit(tmp_path, comm, steps=6, acc=3, name="t")
     assert comm.step_counts == [4] * 6  # 3 micro-batches + 1 step-time collective per optimizer step
     assert comm.step_bytes == [3 * 400 + 200] * 6
     s = comm.summary(trainer)
@@ -49,16 +55,8 @@ def test_comm_summary_counts_ledger_entries_per_optimizer_step(tmp_path):
 def test_shard_metrics_logs_bytes_by_op_and_group_and_memory(tmp_path):
     from lightning_shard.callbacks import ShardMetrics
 
-    torch.set_num_threads(1)
-    L.seed_everything(0)
-    dm = StdlibTextDataModule(block_size=16, micro_batch_size=4, max_bytes=50_000, max_val_windows=8)
-    module = _RecordingModule(block_size=16, n_layer=1, n_head=2, n_embd=16)
     metrics = ShardMetrics()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=2,
-                        limit_val_batches=0, log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[metrics],
-                        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="m"))
-    trainer.fit(module, datamodule=dm)
+    _fit(tmp_path, metrics, steps=4, acc=2, name="m")
     # one step: 2 micro-batches x 400 B reduce-scatter + 200 B all-gather, in the world group (ring of 1: wire 0)
     assert set(k for k in metrics.last if k.startswith("comm/")) == {
         "comm/reduce_scatter[world]", "comm/all_gather[world]", "comm/total"}
