@@ -104,6 +104,7 @@ def bf16_master(reduce_dtype: Any) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0, reduce_dtype=reduce_dtype)
     _train(engine, model, opt, 6, torch.bfloat16)
+    engine.wait_params()  # the last post-step all-gather runs in the background (overlap_param_gather)
     b = engine.buckets[0]
     full_master = torch.empty(b.layout.padded_numel, dtype=torch.float32)
     shard = torch.zeros(b.layout.shard_numel)
@@ -119,6 +120,7 @@ def fp32_run() -> torch.Tensor:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0)
     _train(engine, model, opt, 6)
+    engine.wait_params()
     return engine.buckets[0].flat_param[: engine.buckets[0].layout.numel].clone()
 
 
