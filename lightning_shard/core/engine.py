@@ -20,6 +20,7 @@ order so that every rank issues the same collectives in the same sequence.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from contextlib import contextmanager
@@ -51,6 +52,17 @@ class UnitConfig:
     reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
     prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
     leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
+
+
+def phase(fn):
+    """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what ``bench/`` times)."""
+    label = f"lightning_shard.{fn.__name__.lstrip('_')}"
+
+    @functools.wraps(fn)
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    return labelled
 
 
 def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
@@ -339,6 +351,7 @@ class ShardEngine:
     def communicates_on_next_backward(self) -> bool:
         return self._require_sync or self.policy is AccumulationPolicy.PER_MICRO_BATCH
 
+    @phase
     def pre_backward(self) -> None:
         self.wait_params()
         self.boundary_backward = self._require_sync
@@ -358,6 +371,7 @@ class ShardEngine:
         if self.controller is not None:
             self.controller.begin_backward()
 
+    @phase
     def post_backward(self) -> None:
         if self.controller is not None:
             self.controller.close_backward_schedule()
@@ -394,6 +408,7 @@ class ShardEngine:
         raise ValueError(f"optimizer {type(optimizer).__name__} is not managed by this strategy; create it in "
                          "configure_optimizers()")
 
+    @phase
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
         self.wait_params()
@@ -406,6 +421,7 @@ class ShardEngine:
         if self.controller is not None:
             self.controller.before_step()
 
+    @phase
     def _leave_out_unused(self, optimizer: torch.optim.Optimizer) -> None:
         """Parameters that got no gradient on any rank in this window are left out of the step, exactly as torch
         leaves a parameter whose ``.grad`` is None (no momentum, weight decay or Adam step). Costs one all-reduce
@@ -438,6 +454,7 @@ class ShardEngine:
         if split:  # parameters now treated apart got chunks of their own: the optimizer must see them
             self.binding_for(optimizer).rebind(self.buckets)
 
+    @phase
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
         if self.debug_collectives:

@@ -168,3 +168,20 @@ def test_param_all_gather_overlaps_next_forward(w):
     assert not any(off["after_step"])
     # issued in forward order: the last bucket (first layers, reverse registration) goes first
     assert on["order"] == [f"param_bucket{i}" for i in reversed(range(n))]
+
+
+def profiled_phases() -> list[str]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train(engine, model, opt, 1)
+    engine.remove_hooks()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("lightning_shard.")})
+
+
+def test_engine_phases_are_profiler_labels(w):
+    """bench/ times the engine's phases from these labels (no method patching)."""
+    assert w.run(profiled_phases)[0] == ["lightning_shard.finish_step", "lightning_shard.leave_out_unused",
+                                         "lightning_shard.post_backward", "lightning_shard.pre_backward",
+                                         "lightning_shard.prepare_step"]
