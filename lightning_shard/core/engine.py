@@ -34,6 +34,7 @@ from . import collectives as C
 from .bucket import Bucket
 from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
+from .plan import Owner, flat_buckets, param_owners, unit_buckets
 from .state import AccumulationPolicy, GradState
 from .units import UnitSpec, describe_plan, plan_units
 from .zero3 import ParamShardController, Unit
@@ -209,49 +210,31 @@ class ShardEngine:
         names = C.all_gather_object(local) if self.total_world > 1 else [local]
         return next(n for n in names if n is not None)
 
-    def _param_owners(self) -> dict[int, tuple[int, int]]:
+    def _param_owners(self) -> dict[int, Owner]:
         """``id(param) -> (optimizer index, param group index)``, validating the optimizers' parameters."""
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
-        owner: dict[int, tuple[int, int]] = {}
-        for binding in self.bindings:
-            for gi, group in enumerate(binding.orig_groups):
-                for p in group:
-                    if id(p) not in names:
-                        raise ValueError(
-                            f"optimizer {binding.index}, param group {gi} holds a tensor of shape {tuple(p.shape)} "
-                            "that is not a parameter of the LightningModule; build optimizers from self.parameters()."
-                        )
-                    if id(p) in owner:
-                        raise ValueError(f"parameter {names[id(p)]} appears in two optimizers or param groups")
-                    owner[id(p)] = (binding.index, gi)
+        owner = param_owners(self.module, [b.orig_groups for b in self.bindings])
         if not any(p.requires_grad and id(p) in owner for p in self.module.parameters()):
             raise ValueError("the model has no trainable parameter that an optimizer updates: nothing to shard. "
                              "Check requires_grad and the parameters passed to the optimizer.")
         return owner
 
-    def _build_unit_buckets(self, specs: list[UnitSpec], owner: dict[int, tuple[int, int]]
-                            ) -> tuple[list[Bucket], list[Unit]]:
-        """Stage 3: one flat bucket per (unit, optimizer group or frozen, dtype). Bucket order, which is the
-        reduction launch order, is reverse unit order: roughly the order backward produces gradients."""
-        keyed: list[list[tuple[tuple, list[nn.Parameter], list[str]]]] = []
-        for spec in specs:
-            groups: dict[tuple, tuple[list[nn.Parameter], list[str]]] = {}
-            for p, n in zip(spec.params, spec.names):
-                key = (owner.get(id(p)) if p.requires_grad else None, p.dtype, p.device)
-                groups.setdefault(key, ([], []))
-                groups[key][0].append(p)
-                groups[key][1].append(n)
-            keyed.append([(k, ps, ns) for k, (ps, ns) in groups.items()])
+    def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], key: Optional[Owner]) -> Bucket:
+        return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, stage=self.stage,
+                      rank=self.rank, world=self.world, group=self.group, replicate_group=self.replicate_group,
+                      chunk_numel=self.chunk_numel, gather_group=self.gather_group)
+
+    def _build_unit_buckets(self, specs: list[UnitSpec], owner: dict[int, Owner]) -> tuple[list[Bucket], list[Unit]]:
+        """Stage 3: the buckets of :func:`.plan.unit_buckets`, made unit by unit (with deferred init, as soon
+        as every module touching the unit is materialized). Bucket order, the reduction launch order, is
+        reverse unit order: roughly the order backward produces gradients."""
         per_unit: dict[int, list[Bucket]] = {}
 
         def make(ui: int) -> None:
-            per_unit[ui] = [Bucket(-1, ps, ns, key[0][0] if key[0] else None, key[0][1] if key[0] else None,
-                                   stage=3, rank=self.rank, world=self.world, group=self.group,
-                                   replicate_group=self.replicate_group, chunk_numel=self.chunk_numel,
-                                   gather_group=self.gather_group)
-                            for key, ps, ns in keyed[ui]]
+            spec = specs[ui]
+            per_unit[ui] = [self._bucket(-1, [spec.params[i] for i in idx], [spec.names[i] for i in idx], key)
+                            for key, idx in unit_buckets(spec, owner)]
             if self.deferred is not None:
-                self.deferred.sharded(specs[ui].params)
+                self.deferred.sharded(spec.params)
 
         d = self.deferred
         if d is None:
@@ -275,29 +258,12 @@ class ShardEngine:
             for b in per_unit[ui]:
                 b.index = len(buckets)
                 buckets.append(b)
-        units = [Unit(ui, spec, per_unit[ui]) for ui, spec in enumerate(specs)]
-        return buckets, units
+        return buckets, [Unit(ui, spec, per_unit[ui]) for ui, spec in enumerate(specs)]
 
-    def _build_flat_buckets(self, owner: dict[int, tuple[int, int]]) -> list[Bucket]:
+    def _build_flat_buckets(self, owner: dict[int, Owner]) -> list[Bucket]:
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
-        trainable = [p for p in self.module.parameters() if p.requires_grad and id(p) in owner]
-        # Reverse registration order approximates the order in which backward produces gradients (as DDP).
-        open_buckets: dict[tuple, list[nn.Parameter]] = {}
-        sizes: dict[tuple, int] = {}
-        ordered: list[tuple[tuple, list[nn.Parameter]]] = []
-        for p in reversed(trainable):
-            key = (*owner[id(p)], p.dtype, p.device)
-            if key not in open_buckets:
-                open_buckets[key], sizes[key] = [], 0
-                ordered.append((key, open_buckets[key]))
-            open_buckets[key].append(p)
-            sizes[key] += p.numel() * p.element_size()
-            if sizes[key] >= self.bucket_bytes:
-                del open_buckets[key]
-        return [Bucket(i, ps, [names[id(p)] for p in ps], key[0], key[1], stage=self.stage, rank=self.rank,
-                       world=self.world, group=self.group, replicate_group=self.replicate_group,
-                       chunk_numel=self.chunk_numel)
-                for i, (key, ps) in enumerate(ordered)]
+        return [self._bucket(i, ps, [names[id(p)] for p in ps], key)
+                for i, (key, ps) in enumerate(flat_buckets(self.module, owner, self.bucket_bytes))]
 
     def _register_gather_waits(self) -> list[Any]:
         owners: dict[int, set[int]] = {}

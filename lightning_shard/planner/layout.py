@@ -1,31 +1,25 @@
-"""The engine's flat-buffer layout, reproduced without building an engine (no collectives, no copies).
+"""The engine's flat-buffer layout, predicted without building an engine (no collectives, no copies).
 
-The planner must predict the ledger's bytes exactly, so this module follows the rules of
-``core/engine.py`` (``_build_flat_buckets``, ``_build_unit_buckets``) and ``core/flat.py`` line by line:
-
-* stages 0-2: trainable parameters that an optimizer holds, in REVERSE registration order, fill one open
-  bucket per (optimizer index, param group index, dtype, device); a bucket closes once its bytes reach
-  ``bucket_mb * 2**20``. Stage 0 keeps one "shard" (no padding); stages 1/2 pad to a multiple of N.
-* stage 3: units from :func:`lightning_shard.core.units.plan_units` (reused, not copied); inside a unit one
-  bucket per (optimizer/group, or frozen, dtype, device) in first-seen order; bucket order is reverse unit
-  order. Every bucket is padded to a multiple of the shard group size.
-
-Parameters may live on the meta device: only shapes, dtypes and identities are read.
+The bucketing rules are the engine's own (:mod:`lightning_shard.core.plan`, units from
+:func:`lightning_shard.core.units.plan_units`, flat layouts from :func:`lightning_shard.core.flat.build_layout`);
+this module only adds the sizes the planner needs: stage 0 keeps one "shard" (no padding), stages 1-3 pad
+every bucket to a multiple of the shard group size. Parameters may live on the meta device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..core.flat import build_layout
+from ..core.plan import OptimizerGroups, Owner, bucketed_trainable, flat_buckets, param_owners, unit_buckets
 from ..core.units import plan_units
 
-# optimizer groups as the engine sees them: per optimizer, per param group, the parameters
-OptimizerGroups = Sequence[Sequence[Sequence[nn.Parameter]]]
+__all__ = ["OptimizerGroups", "PlannedBucket", "PlannedLayout", "PlannedUnit", "default_groups", "groups_of",
+           "plan_layout"]
 
 
 @dataclass(frozen=True)
@@ -103,19 +97,6 @@ def groups_of(optimizers: Any) -> list[list[list[nn.Parameter]]]:
     return out
 
 
-def _owners(module: nn.Module, groups: OptimizerGroups) -> dict[int, tuple[int, int]]:
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
-    owner: dict[int, tuple[int, int]] = {}
-    for oi, opt in enumerate(groups):
-        for gi, group in enumerate(opt):
-            for p in group:
-                if id(p) not in names:
-                    raise ValueError(f"optimizer {oi}, param group {gi} holds a tensor of shape {tuple(p.shape)} that "
-                                     "is not a parameter of the module")
-                owner[id(p)] = (oi, gi)
-    return owner
-
-
 def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int, shard_world: int,
                 bucket_mb: float = 25.0, granularity: str = "zero3", wrap_classes: Any = None,
                 min_params: Optional[int] = None, param_dtype: Optional[torch.dtype] = None) -> PlannedLayout:
@@ -125,12 +106,12 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
     (``bf16-true`` -> bfloat16); None keeps each parameter's own dtype.
     """
     groups = default_groups(module) if groups is None else groups
-    owner = _owners(module, groups)
+    owner = param_owners(module, groups)
 
     def dtype_of(p: nn.Parameter) -> torch.dtype:
         return param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
 
-    def make(index: int, params: list[nn.Parameter], key: Optional[tuple[int, int]], unit: Optional[int],
+    def make(index: int, params: list[nn.Parameter], key: Optional[Owner], unit: Optional[int],
              num_shards: int) -> PlannedBucket:
         layout = build_layout([("", tuple(p.shape)) for p in params], num_shards)
         return PlannedBucket(index, layout.numel, layout.padded_numel, num_shards, dtype_of(params[0]),
@@ -138,40 +119,19 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
 
     if stage == 3:
         specs = plan_units(module, granularity, wrap_classes, min_params)
-        units: list[PlannedUnit] = []
-        per_unit: list[list[tuple[Optional[tuple[int, int]], list[nn.Parameter]]]] = []
-        for ui, spec in enumerate(specs):
-            keyed: dict[tuple, list[nn.Parameter]] = {}
-            for p in spec.params:
-                keyed.setdefault((owner.get(id(p)) if p.requires_grad else None, dtype_of(p), p.device), []).append(p)
-            per_unit.append([(k[0], ps) for k, ps in keyed.items()])
-            units.append(PlannedUnit(ui, spec.name, spec.module is None))
+        units = [PlannedUnit(ui, spec.name, spec.module is None) for ui, spec in enumerate(specs)]
         buckets: list[PlannedBucket] = []
-        for ui in reversed(range(len(specs))):
-            for key, ps in per_unit[ui]:
-                b = make(len(buckets), ps, key, ui, shard_world)
+        for ui in reversed(range(len(specs))):  # the engine's launch order: reverse unit order
+            for key, idx in unit_buckets(specs[ui], owner, dtype_of):
+                b = make(len(buckets), [specs[ui].params[i] for i in idx], key, ui, shard_world)
                 buckets.append(b)
                 units[ui].buckets.append(b)
         return PlannedLayout(stage, shard_world, buckets, units, 0, 0)
 
-    trainable = [p for p in module.parameters() if p.requires_grad and id(p) in owner]
-    bucket_bytes = int(bucket_mb * 2**20)
-    open_buckets: dict[tuple, list[nn.Parameter]] = {}
-    sizes: dict[tuple, int] = {}
-    ordered: list[tuple[tuple, list[nn.Parameter]]] = []
-    for p in reversed(trainable):
-        dt = dtype_of(p)
-        key = (*owner[id(p)], dt, p.device)
-        if key not in open_buckets:
-            open_buckets[key], sizes[key] = [], 0
-            ordered.append((key, open_buckets[key]))
-        open_buckets[key].append(p)
-        sizes[key] += p.numel() * torch.empty(0, dtype=dt, device="meta").element_size()
-        if sizes[key] >= bucket_bytes:
-            del open_buckets[key]
     num_shards = 1 if stage == 0 else shard_world
-    buckets = [make(i, ps, (key[0], key[1]), None, num_shards) for i, (key, ps) in enumerate(ordered)]
-    in_bucket = {id(p) for p in trainable}
+    buckets = [make(i, ps, key, None, num_shards)
+               for i, (key, ps) in enumerate(flat_buckets(module, owner, int(bucket_mb * 2**20), dtype_of))]
+    in_bucket = {id(p) for p in bucketed_trainable(module, owner)}
     frozen = [p for p in module.parameters() if id(p) not in in_bucket]
-    frozen_bytes = sum(p.numel() * torch.empty(0, dtype=dtype_of(p), device="meta").element_size() for p in frozen)
+    frozen_bytes = sum(p.numel() * dtype_of(p).itemsize for p in frozen)
     return PlannedLayout(stage, shard_world, buckets, [], frozen_bytes, sum(p.numel() for p in frozen))

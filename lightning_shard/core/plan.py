@@ -1,0 +1,81 @@
+"""Pure planning: which optimizer owns each parameter, and which parameters share a flat bucket.
+
+Used by the engine to build its buckets and by the planner (:mod:`lightning_shard.planner.layout`) to predict
+them without building an engine: one set of rules, so the planner's bytes are the ledger's bytes. Nothing here
+communicates or copies; parameters may live on the meta device (only identities, shapes and dtypes are read).
+
+* stages 0-2: trainable parameters that an optimizer holds, in REVERSE registration order (roughly the order
+  backward produces gradients, as DDP), fill one open bucket per (optimizer, param group, dtype, device); a
+  bucket closes once its bytes reach ``bucket_bytes``.
+* stage 3: inside each unit, one bucket per (optimizer and param group, or frozen; dtype; device) in first-seen
+  order. The engine orders the buckets in reverse unit order (the reduction launch order).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .units import UnitSpec
+
+# per optimizer, per param group, the parameters (the shape of ``[g["params"] for g in opt.param_groups]``)
+OptimizerGroups = Sequence[Sequence[Sequence[nn.Parameter]]]
+Owner = tuple[int, int]  # (optimizer index, param group index)
+DtypeOf = Callable[[nn.Parameter], torch.dtype]
+
+
+def _own_dtype(p: nn.Parameter) -> torch.dtype:
+    return p.dtype
+
+
+def param_owners(module: nn.Module, groups: OptimizerGroups) -> dict[int, Owner]:
+    """``id(param) -> (optimizer index, param group index)``, refusing a tensor that is not a parameter of
+    ``module`` and a parameter held by two optimizers or param groups."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+    owner: dict[int, Owner] = {}
+    for oi, opt in enumerate(groups):
+        for gi, group in enumerate(opt):
+            for p in group:
+                if id(p) not in names:
+                    raise ValueError(f"optimizer {oi}, param group {gi} holds a tensor of shape {tuple(p.shape)} "
+                                     "that is not a parameter of the LightningModule; build optimizers from "
+                                     "self.parameters().")
+                if id(p) in owner:
+                    raise ValueError(f"parameter {names[id(p)]} appears in two optimizers or param groups")
+                owner[id(p)] = (oi, gi)
+    return owner
+
+
+def bucketed_trainable(module: nn.Module, owner: dict[int, Owner]) -> list[nn.Parameter]:
+    """Stages 0-2: the parameters that go into buckets (trainable and held by an optimizer), module order."""
+    return [p for p in module.parameters() if p.requires_grad and id(p) in owner]
+
+
+def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
+                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[Owner, list[nn.Parameter]]]:
+    """Stages 0-2: the buckets in launch order, each ``(owner, parameters)``."""
+    open_buckets: dict[tuple, list[nn.Parameter]] = {}
+    sizes: dict[tuple, int] = {}
+    ordered: list[tuple[Owner, list[nn.Parameter]]] = []
+    for p in reversed(bucketed_trainable(module, owner)):
+        dtype = dtype_of(p)
+        key = (*owner[id(p)], dtype, p.device)
+        if key not in open_buckets:
+            open_buckets[key], sizes[key] = [], 0
+            ordered.append((owner[id(p)], open_buckets[key]))
+        open_buckets[key].append(p)
+        sizes[key] += p.numel() * dtype.itemsize
+        if sizes[key] >= bucket_bytes:
+            del open_buckets[key]
+    return ordered
+
+
+def unit_buckets(spec: UnitSpec, owner: dict[int, Owner],
+                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[Optional[Owner], list[int]]]:
+    """Stage 3: the buckets of one unit, each ``(owner or None for frozen, indices into spec.params)``."""
+    keyed: dict[tuple, list[int]] = {}
+    for i, p in enumerate(spec.params):
+        keyed.setdefault((owner.get(id(p)) if p.requires_grad else None, dtype_of(p), p.device), []).append(i)
+    return [(key[0], idx) for key, idx in keyed.items()]
