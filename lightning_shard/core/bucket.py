@@ -19,6 +19,7 @@ from torch import nn
 from . import collectives as C
 from .chunks import OptimizerChunks
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
+from .spec import ShardSpec
 from .state import GradState, ParamState, param_transition, transition
 
 
@@ -36,28 +37,26 @@ class Gauge:
 
 class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
-                 group_index: Optional[int], *, stage: int, rank: int, world: int, group: Any,
-                 replicate_group: Any = None, chunk_numel: int = 1 << 20, gather_group: Any = None) -> None:
+                 group_index: Optional[int], *, spec: ShardSpec, rank: int, group: C.Group,
+                 replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
-        self.stage, self.rank, self.world, self.group = stage, rank, world, group
+        self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
         self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
-        self.total_world = world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
+        self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.itemsize = params[0].element_size()
         self.unit: Any = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
         self.gauge = Gauge()  # stage 3: the controller hands every bucket the same one
-        # stage 0 keeps a single "shard": the whole buffer; stages 1/2 split it across the group
-        self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)],
-                                               1 if stage == 0 else world)
-        shard = 0 if stage == 0 else rank
+        self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
+        shard = 0 if spec.num_shards == 1 else rank
         self.shard_start, self.shard_end = self.layout.shard_range(shard)
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
 
         self.flat_param: Optional[torch.Tensor] = None
-        if stage == 3:  # copy only this rank's range: no full flat buffer at setup (deferred init peak)
+        if spec.shards_params:  # copy only this rank's range: no full flat buffer at setup (deferred init peak)
             shard_buf = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             by_name = dict(zip(names, params))
             with torch.no_grad():
@@ -75,7 +74,7 @@ class Bucket:
         self.param_state = ParamState.UNSHARDED
         self._gather_work: Any = None
         self._param_work: Any = None  # stages 1/2: the post-step all-gather, waited on by a forward pre-hook
-        if stage == 3:
+        if spec.shards_params:
             self.shard = shard_buf
             own = self.shard[: self.owned_numel]
             self.reshard()
@@ -168,13 +167,13 @@ class Bucket:
         if self.grad_buf is None:
             self.grad_buf = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             self.grad_views = slot_views(self.layout, self.grad_buf)
-        if self.stage == 3 and self.param_state is not ParamState.UNSHARDED:
+        if self.spec.shards_params and self.param_state is not ParamState.UNSHARDED:
             self.pending = len(self.params)
             return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
         for p, view in zip(self.params, self.grad_views):
             g = p.grad
             if g is None:
-                if self.stage != 3:  # stages 0-2: the user cleared this gradient (zero_grad(set_to_none=True))
+                if not self.spec.shards_params:  # stages 0-2: the user cleared this gradient (zero_grad(set_to_none=True))
                     view.zero_()  # stage 3 detaches .grad at every reshard: the buffer is the truth
                 p.grad = view
             elif g.data_ptr() != view.data_ptr():
@@ -193,7 +192,7 @@ class Bucket:
 
     def release_grads(self) -> None:
         for p in self.params:
-            if self.stage != 3 or self.param_state is ParamState.UNSHARDED:
+            if not self.spec.shards_params or self.param_state is ParamState.UNSHARDED:
                 p.grad = None
         self.grad_buf, self.grad_views = None, []
 
@@ -205,7 +204,7 @@ class Bucket:
             self.attach_grads()
         src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)
         tag = f"grad_bucket{self.index}"
-        if self.stage == 0:
+        if not self.spec.reduce_scatters:
             self._out = src
             self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
         else:
@@ -220,7 +219,7 @@ class Bucket:
         out = self._out
         assert out is not None
         self._work, self._src, self._out = None, None, None
-        if self.stage == 0:
+        if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]
         else:
             mine = out[: self.owned_numel]
@@ -229,7 +228,7 @@ class Bucket:
                 self.accum = torch.zeros(self.owned_numel, dtype=torch.float32, device=self.device)
             self.accum.add_(mine)
             mine = self.accum
-        if self.stage >= 2:
+        if self.spec.frees_grads:
             self.release_grads()  # ZeRO-2/3: the full gradient is not needed past its reduce-scatter
         if not boundary:
             self.set_state(GradState.ACCUMULATING)
@@ -262,13 +261,13 @@ class Bucket:
         """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2); the work is kept
         in ``_param_work`` until :meth:`wait_param_gather`."""
         with torch.no_grad():
-            if self.stage == 3:  # the next forward gathers; only the master needs copying into the shard
+            if self.spec.shards_params:  # the next forward gathers; only the master needs copying into the shard
                 if self.master is not None:
                     self.shard[: self.owned_numel].copy_(self.master)
                 return None
             if self.master is not None:
                 self.flat_param[self.own_lo:self.own_hi].copy_(self.master)
-        if self.stage == 0:
+        if not self.spec.gathers_after_step:
             return None
         self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
                                         group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
@@ -288,7 +287,7 @@ class Bucket:
         self.optimizer_view.set_grads(None)
         self.accum = None
         if self.grad_buf is not None:
-            if self.stage >= 2:
+            if self.spec.frees_grads:
                 self.release_grads()
             else:
                 self.grad_buf.zero_()
@@ -303,7 +302,7 @@ class Bucket:
         aliased = shard_grad is not None and self.grad_buf is not None and \
             shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
-        if self.stage == 3:
+        if self.spec.shards_params:
             return {"params": nb(self.shard), "gathered_params": nb(self.flat_param),
                     "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": nb(self.master),
                     "accumulators": nb(self.accum)}

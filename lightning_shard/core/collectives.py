@@ -38,6 +38,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "broadcast_coalesced",
     "broadcast_object",
     "get_rank",
     "get_world_size",
@@ -49,6 +50,7 @@ __all__ = [
     "wait",
 ]
 
+Group = Optional[dist.ProcessGroup]  # None: the default (world) group
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # dist.ReduceOp.AVG exists only for NCCL; we divide explicitly instead.
 
@@ -108,11 +110,11 @@ class Ledger:
         with self._lock:
             self._entries = deque(self._entries, maxlen=n)
 
-    def record(self, op: str, group: Any, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
+    def record(self, op: str, group: Group, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
         numel = tensor.numel() if full_numel is None else full_numel
         self.record_bytes(op, group, numel * tensor.element_size(), tag, str(tensor.dtype).replace("torch.", ""))
 
-    def record_bytes(self, op: str, group: Any, nbytes: int, tag: str = "", dtype: str = "object") -> None:
+    def record_bytes(self, op: str, group: Group, nbytes: int, tag: str = "", dtype: str = "object") -> None:
         world = get_world_size(group)
         entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag, dtype,
                             torch._C._current_graph_task_id() != -1)
@@ -170,21 +172,21 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: Group = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: Group = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
-def group_name(group: Any) -> str:
+def group_name(group: Group) -> str:
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
     return _group_names.get(group, f"group{id(group) & 0xFFFF:x}")
 
 
-def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) -> Any:
+def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) -> Group:
     """Create a process group (every rank must call this with the same arguments) and name it for the ledger."""
     group = dist.new_group(ranks=ranks, timeout=timeout)
     _group_names[group] = name
@@ -194,7 +196,7 @@ def new_group(ranks: list[int], name: str, timeout: Optional[timedelta] = None) 
 _duplicates: dict[tuple, Any] = {}
 
 
-def duplicate_group(ranks: Optional[list[int]], name: str, timeout: Optional[timedelta] = None) -> Any:
+def duplicate_group(ranks: Optional[list[int]], name: str, timeout: Optional[timedelta] = None) -> Group:
     """A process group over ``ranks`` (None: every rank) besides the one that may already exist (collective over
     the world: every rank calls it for every such group, in the same order), cached so that repeated fits in one
     process reuse it. Collectives on it are ordered independently of those on the other group."""
@@ -204,7 +206,7 @@ def duplicate_group(ranks: Optional[list[int]], name: str, timeout: Optional[tim
     return _duplicates[key]
 
 
-def set_timeout(timeout: timedelta, group: Any = None) -> None:
+def set_timeout(timeout: timedelta, group: Group = None) -> None:
     """The collective timeout of an existing group (the default one: created with the start-up timeout, which
     bounds the rendezvous). Uses torch's ``_set_pg_timeout``; where a torch lacks it, the start-up timeout stays."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -242,7 +244,7 @@ def destroy_process_group() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- collectives
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False, tag: str = ""):
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group = None, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``tensor`` (``op`` in sum/max/min)."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
@@ -250,27 +252,27 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_o
     return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False,
                    tag: str = ""):
     """Sum ``input`` (the full padded buffer) over ranks; this rank receives its contiguous slice in ``output``."""
     LEDGER.record("reduce_scatter", group, input, tag)
     return _rs_impl(output, input, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False, tag: str = ""):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False, tag: str = ""):
     """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe."""
     LEDGER.record("all_gather", group, output, tag)
     return _ag_impl(output, input, group=group, async_op=async_op)
 
 
-def global_rank(group: Any, group_rank: int) -> int:
+def global_rank(group: Group, group_rank: int) -> int:
     """The global rank of ``group``'s member number ``group_rank``."""
     if group is None or group is dist.GroupMember.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False, tag: str = ""):
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None, async_op: bool = False, tag: str = ""):
     """Broadcast from the group's member number ``src`` (not a global rank)."""
     LEDGER.record("broadcast", group, tensor, tag)
     return dist.broadcast(tensor, src=global_rank(group, src), group=group, async_op=async_op)
@@ -283,7 +285,7 @@ def _pickled_bytes(obj: Any) -> int:
         return 0
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None, tag: str = "") -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Group = None, tag: str = "") -> Any:
     """Pickle-based broadcast of small metadata from the group's member ``src`` (not a global rank)."""
     if not is_initialized():
         return obj
@@ -293,7 +295,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None, tag: str = "") -
     return box[0]
 
 
-def all_gather_object(obj: Any, group: Any = None, tag: str = "") -> list[Any]:
+def all_gather_object(obj: Any, group: Group = None, tag: str = "") -> list[Any]:
     """Pickle-based all-gather for small metadata."""
     if not is_initialized():
         return [obj]
@@ -303,7 +305,7 @@ def all_gather_object(obj: Any, group: Any = None, tag: str = "") -> list[Any]:
     return out
 
 
-def all_gather_list(tensor: torch.Tensor, group: Any = None, tag: str = "") -> list[torch.Tensor]:
+def all_gather_list(tensor: torch.Tensor, group: Group = None, tag: str = "") -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on every rank), as a list (Lightning's ``Strategy.all_gather``)."""
     out = [torch.empty_like(tensor) for _ in range(get_world_size(group))]
     LEDGER.record("all_gather", group, tensor, tag, full_numel=tensor.numel() * len(out))
@@ -311,9 +313,22 @@ def all_gather_list(tensor: torch.Tensor, group: Any = None, tag: str = "") -> l
     return out
 
 
-def barrier(group: Any = None, tag: str = "") -> None:
+def barrier(group: Group = None, tag: str = "") -> None:
     if is_initialized():
         LEDGER.record_bytes("barrier", group, 0, tag)
         dist.barrier(group=group)
 
 
+def broadcast_coalesced(tensors: list[torch.Tensor], group: Group, tag: str) -> None:
+    """Broadcast tensors from rank 0 in place, one collective per dtype/device."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    for ts in by_key.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, src=0, group=group, tag=tag)
+        with torch.no_grad():
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()

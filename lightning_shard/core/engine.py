@@ -21,7 +21,6 @@ order so that every rank issues the same collectives in the same sequence.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,10 +30,12 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from . import grads, health, state_dict
 from .bucket import Bucket
 from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .plan import Owner, flat_buckets, param_owners, unit_buckets
+from .spec import ShardSpec
 from .state import AccumulationPolicy, GradState
 from .units import UnitSpec, describe_plan, plan_units
 from .zero3 import ParamShardController, Unit
@@ -83,15 +84,14 @@ class ShardEngine:
                  replicate_group: Any = None, overlap_param_gather: bool = True,
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
                  debug_collectives: bool = False, gather_group: Any = None) -> None:
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"ShardEngine handles ZeRO stages 0 to 3, got stage={stage}")
+        self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
         policy = AccumulationPolicy.parse(accumulation)
-        if policy is AccumulationPolicy.PER_MICRO_BATCH and stage < 2:
+        if policy is AccumulationPolicy.PER_MICRO_BATCH and not self.spec.frees_grads:
             raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2 or 3); stage {stage} "
                              "holds full gradients anyway, so use accumulation='defer'.")
-        if policy is AccumulationPolicy.KEEP_PARAMS and stage != 3:
+        if policy is AccumulationPolicy.KEEP_PARAMS and not self.spec.shards_params:
             raise ValueError(f"accumulation='keep_params' is about sharded parameters (stage 3); stage {stage} "
                              "never frees its parameters: use accumulation='defer'.")
         if not optimizers:
@@ -116,24 +116,24 @@ class ShardEngine:
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
         self.deferred = deferred
         self.skip_nonfinite, self.debug_collectives = skip_nonfinite, debug_collectives
-        self._check_same_model()
+        health.check_same_model(self.module, self.deferred)
         self._ledger_mark = C.LEDGER.mark()
         if deferred is None:  # deferred init: every rank computes the same values from the same RNG state
             sync_module_states(self.module, None)
-        elif stage != 3:
+        elif not self.spec.shards_params:
             raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
         owner = self._param_owners()
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
         self.plan_summary = ""
         self.gather_group = group
-        if stage == 3:
+        if self.spec.shards_params:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
                                numel=deferred.numel if deferred is not None else (lambda p: p.numel()),
                                leaf_modules=cfg.leaf_modules)
             self.plan_summary = describe_plan(specs, cfg.granularity)
-            self._agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
+            health.agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
             # parameter gathers get a process group of their own: ranks that run different modules issue them
             # at different times relative to the gradient reductions (plain sharding: a copy of the world
             # group; hybrid layouts pass a copy of each shard group)
@@ -151,7 +151,7 @@ class ShardEngine:
                        for b in self._comm_buckets for i, p in enumerate(b.params)]
         # stages 1/2: the all-gather after a step runs in the background and each module waits for its own
         # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
-        self.overlap_param_gather = overlap_param_gather and stage in (1, 2)
+        self.overlap_param_gather = overlap_param_gather and self.spec.gathers_after_step
         self._pending_gathers: list[Bucket] = []
         if self.overlap_param_gather:
             self._hooks += self._register_gather_waits()
@@ -161,55 +161,17 @@ class ShardEngine:
         self._next_launch = 0
         self.last_grad_norm: Optional[float] = None
 
-    # ------------------------------------------------------------------ setup
-    # ------------------------------------------------------------------ desync detection
-    def _agree(self, what: str, mine: list, hint: str) -> None:
-        """Every rank must hold the same ``mine``; otherwise raise on every rank, naming the first difference."""
-        if C.get_world_size() == 1:
-            return
-        everyone = C.all_gather_object(mine)
-        for rank, theirs in enumerate(everyone[1:], start=1):
-            if theirs == everyone[0]:
-                continue
-            i = next((k for k, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b), min(len(theirs), len(everyone[0])))
-            a = everyone[0][i] if i < len(everyone[0]) else "<nothing>"
-            b = theirs[i] if i < len(theirs) else "<nothing>"
-            raise ValueError(f"rank desync in the {what}: entry {i} differs between ranks 0 and {rank}: rank 0 has {a}, "
-                             f"rank {rank} has {b} ({len(everyone[0])} vs {len(theirs)} entries). Every rank must build "
-                             f"the same model; check the {hint}.")
-
-    def _check_same_model(self) -> None:
-        sizes = self.deferred.shapes if self.deferred is not None else {}
-        fp = [(n, tuple(sizes.get(id(p), p.shape)), str(p.dtype), p.requires_grad)
-              for n, p in self.module.named_parameters()]
-        self._agree("model parameters", fp, "parameter names, shapes, dtypes, order and requires_grad")
-
+    # ------------------------------------------------------------------ health (health.py)
     def check_collective_sequence(self) -> None:
         """Debug (``debug_collectives=True``): all ranks issued the same collectives since the last check."""
-        mine = [(e.op, e.group, e.bytes, e.dtype, e.tag) for e in C.LEDGER.since(self._ledger_mark)]
-        self._agree("sequence of collectives since the last optimizer step", mine,
-                    "code paths that communicate on some ranks only (data-dependent branches, rank-specific logging)")
-        self._ledger_mark = C.LEDGER.mark()
+        self._ledger_mark = health.check_collective_sequence(self._ledger_mark)
 
     def find_nonfinite(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """Name of the first parameter with a non-finite gradient on any rank (agreed on every rank), or None."""
-        local = None
-        for b in self.binding_for(optimizer).buckets:
-            g = b.shard_param.grad
-            if g is None or not g.numel() or bool(torch.isfinite(g).all()):
-                continue
-            bad = int((~torch.isfinite(g)).nonzero()[0]) + b.own_lo
-            slot = next(s for s in b.layout.slots if s.offset <= bad < s.end)
-            local = f"{slot.name} (rank {self.rank if self.total_world == self.world else C.get_rank()})"
-            break
-        flag = torch.tensor(0.0 if local is None else 1.0, device=self.buckets[0].device)
-        if self.total_world > 1:
-            C.all_reduce(flag, op="max", group=None, tag="nonfinite")
-        if not flag.item():
-            return None
-        names = C.all_gather_object(local) if self.total_world > 1 else [local]
-        return next(n for n in names if n is not None)
+        rank = self.rank if self.total_world == self.world else C.get_rank()
+        return health.find_nonfinite(self.binding_for(optimizer).buckets, rank, self.total_world, self.buckets[0].device)
 
+    # ------------------------------------------------------------------ buckets (plan.py)
     def _param_owners(self) -> dict[int, Owner]:
         """``id(param) -> (optimizer index, param group index)``, validating the optimizers' parameters."""
         owner = param_owners(self.module, [b.orig_groups for b in self.bindings])
@@ -219,8 +181,8 @@ class ShardEngine:
         return owner
 
     def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], key: Optional[Owner]) -> Bucket:
-        return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, stage=self.stage,
-                      rank=self.rank, world=self.world, group=self.group, replicate_group=self.replicate_group,
+        return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, spec=self.spec,
+                      rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group)
 
     def _build_unit_buckets(self, specs: list[UnitSpec], owner: dict[int, Owner]) -> tuple[list[Bucket], list[Unit]]:
@@ -330,7 +292,7 @@ class ShardEngine:
                     "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
                     "backward, or wrap earlier micro-batches in strategy.block_backward_sync()/toggle_model(sync_grad=False)."
                 )
-            if self.stage == 3:  # parameters are sharded now: views attach when the unit is gathered
+            if self.spec.shards_params:  # parameters are sharded now: views attach when the unit is gathered
                 b.pending = len(b.params)
             else:
                 b.attach_grads()
@@ -429,7 +391,7 @@ class ShardEngine:
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.launch_gather(async_op=True)
         if self.overlap_param_gather:
-            self._pending_gathers += [b for b in buckets if b.stage in (1, 2)]
+            self._pending_gathers += [b for b in buckets if b.spec.gathers_after_step]
         else:
             self._wait(buckets)
         for b in buckets:
@@ -437,114 +399,44 @@ class ShardEngine:
         if self.broadcast_buffers and self.total_world > 1:
             buffers = [t for t in self.module.buffers() if t.is_floating_point() or t.dtype == torch.long]
             if buffers:
-                _broadcast_coalesced(buffers, None, tag="buffers")
+                C.broadcast_coalesced(buffers, None, tag="buffers")
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop this window's gradients without updating (e.g. fp16 overflow), identically on every rank."""
         for b in self.binding_for(optimizer).buckets:
             b.end_window()
 
-    # ------------------------------------------------------------------ gradient utilities
+    # ------------------------------------------------------------------ gradient utilities (grads.py)
     def _shard_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         return [b.shard_param.grad for b in self.binding_for(optimizer).buckets if b.shard_param.grad is not None]
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over owned shard elements only (no padding, no replicas), one all-reduce."""
-        grads = self._shard_grads(optimizer)
-        device = self.buckets[0].device
-        if math.isinf(norm_type):
-            local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
-            if self.stage > 0 and self.world > 1:
-                C.all_reduce(total, op="max", group=self.group, tag="grad_norm")
-            return total
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                local += g.detach().float().abs().pow(norm_type).sum()
-        if self.stage > 0 and self.world > 1:
-            C.all_reduce(local, op="sum", group=self.group, tag="grad_norm")
-        return local.pow(1.0 / norm_type)
+        return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.group,
+                               self.spec.reduce_scatters and self.world > 1, norm_type)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         total = self.grad_norm(optimizer, norm_type)
         self.last_grad_norm = float(total)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self._shard_grads(optimizer):
-            g.mul_(coef.to(g.dtype))
+        grads.scale_to_norm(self._shard_grads(optimizer), total, max_norm)
         return total
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
-        for g in self._shard_grads(optimizer):
-            g.clamp_(-clip_value, clip_value)
+        grads.clamp_values(self._shard_grads(optimizer), clip_value)
 
     def unscale_and_check(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
         """Multiply shard grads by ``inv_scale``; return True when any rank saw inf/nan (agreed on all ranks)."""
-        found = torch.zeros((), dtype=torch.float32, device=self.buckets[0].device)
-        for g in self._shard_grads(optimizer):
-            g.mul_(inv_scale)
-            if g.numel() and not torch.isfinite(g).all():
-                found.fill_(1.0)
-        if self.total_world > 1:
-            C.all_reduce(found, op="max", group=None, tag="found_inf")
-        return bool(found.item())
+        return grads.unscale(self._shard_grads(optimizer), inv_scale, self.buckets[0].device, self.total_world)
 
-    # ------------------------------------------------------------------ fp32 masters (half-precision params)
-    def _aliases(self) -> dict[int, list[str]]:
-        out: dict[int, list[str]] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            out.setdefault(id(p), []).append(name)
-        return out
-
+    # ------------------------------------------------------------------ full weights (state_dict.py)
     def gather_full(self) -> dict[str, torch.Tensor]:
-        """Full weights by parameter name (every alias of a tied weight) that the module itself cannot show:
-        fp32 masters of half-precision parameters, and every stage-3 parameter. Collective."""
+        """Full weights by parameter name that the module itself cannot show (:func:`.state_dict.gather_full`)."""
         self.wait_params()
-        aliases, out = self._aliases(), {}
-        for b in self.buckets:
-            if b.master is None and b.stage != 3:
-                continue  # stages 0-2 without masters: the module's own parameters are full already
-            own = b.master if b.master is not None else b.shard[: b.owned_numel]
-            if b.stage == 0:
-                full = own
-            else:
-                shard = torch.zeros(b.layout.shard_numel, dtype=own.dtype, device=b.device)
-                shard[: b.owned_numel].copy_(own)
-                full = torch.empty(b.layout.padded_numel, dtype=own.dtype, device=b.device)
-                C.all_gather(full, shard, group=self.group, tag="checkpoint")
-            for slot, p in zip(b.layout.slots, b.params):
-                value = full[slot.offset:slot.end].view(slot.shape).clone()
-                for name in aliases[id(p)]:
-                    out[name] = value
-        return out
+        return state_dict.gather_full(self.module, self.buckets, self.group)
 
     def load_full(self, state: dict[str, torch.Tensor], masters_only: bool = False) -> list[str]:
-        """Load full tensors by name into shards (and fp32 masters). Returns the parameter names not found.
-
-        ``masters_only``: the module already holds these weights (restored before setup, stages 0-2); only
-        initialise fp32 masters from fp32 tensors so their precision survives a resume."""
-        aliases, missing = self._aliases(), []
-        for b in self.buckets:
-            if masters_only and b.master is None:
-                continue
-            flat = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)
-            all_fp32, found = True, 0
-            for slot, p in zip(b.layout.slots, b.params):
-                src = next((state[n] for n in aliases[id(p)] if n in state), None)
-                if src is None or src.numel() != slot.numel:
-                    missing.append(aliases[id(p)][0])
-                    continue
-                all_fp32 &= src.dtype == torch.float32
-                flat[slot.offset:slot.end].copy_(src.reshape(-1))
-                found += 1
-            if found != len(b.params):
-                continue
-            with torch.no_grad():
-                if b.master is not None and (all_fp32 or not masters_only):
-                    b.master.copy_(flat[b.own_lo:b.own_hi])
-                if not masters_only and b.stage == 3:
-                    b.shard.copy_(flat[b.shard_start:b.shard_end])
-        return missing
+        """Load full tensors by name into shards and fp32 masters; the names not found (:func:`.state_dict.load_full`)."""
+        return state_dict.load_full(self.module, self.buckets, state, masters_only)
 
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:
@@ -561,7 +453,7 @@ class ShardEngine:
                 if p.grad is not None:
                     rep["grads"] += p.grad.numel() * p.grad.element_size()
         rep["optimizer_state"] = sum(optimizer_state_bytes(b.optimizer) for b in self.bindings)
-        rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.stage else 0
+        rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.spec.reduce_scatters else 0
         rep["total"] = sum(v for k, v in rep.items() if k != "padding_elements")
         return rep
 
@@ -574,23 +466,7 @@ class ShardEngine:
             self.controller.remove_hooks()
 
 
-def sync_module_states(module: nn.Module, group: Any) -> None:
+def sync_module_states(module: nn.Module, group: C.Group) -> None:
     """Every rank starts from rank 0's parameters and buffers (as DDP does at construction)."""
     if C.get_world_size(group) > 1:
-        tensors = [p.data for p in module.parameters()] + list(module.buffers())
-        _broadcast_coalesced(tensors, group, tag="init_states")
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], group: Any, tag: str) -> None:
-    """Broadcast tensors from rank 0, one collective per dtype/device."""
-    by_key: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
-    for ts in by_key.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        C.broadcast(flat, src=0, group=group, tag=tag)
-        with torch.no_grad():
-            off = 0
-            for t in ts:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+        C.broadcast_coalesced([p.data for p in module.parameters()] + list(module.buffers()), group, tag="init_states")

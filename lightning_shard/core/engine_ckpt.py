@@ -15,6 +15,7 @@ import torch
 
 from . import collectives as C
 from .checkpoint import CheckpointError, Reader
+from .state_dict import param_aliases
 
 if TYPE_CHECKING:
     from .engine import ShardEngine
@@ -33,7 +34,7 @@ def _jsonable(v: Any) -> Any:
 def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict[str, list], dict[str, Any]]:
     """(pieces, index entries ``key -> [lo, hi]``, meta) for this rank. Meta is identical on every rank."""
     engine.wait_params()
-    aliases = engine._aliases()
+    aliases = param_aliases(engine.module)
     first_replica = engine.replicate_group is None or C.get_rank(engine.replicate_group) == 0
     global_rank = C.get_rank()
     pieces: dict[str, torch.Tensor] = {}
@@ -41,7 +42,7 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
     shapes: dict[str, list[int]] = {}
     bucketed: set[int] = set()
     for b in engine.buckets:
-        writer = first_replica and (b.stage > 0 or global_rank == 0)
+        writer = first_replica and (b.spec.reduce_scatters or global_rank == 0)
         binding = engine.bindings[b.opt_index] if b.trainable else None
         states = b.slot_state(binding.optimizer.state) if binding is not None else {}
         for si, (slot, p) in enumerate(zip(b.layout.slots, b.params)):
@@ -52,7 +53,7 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
             if not writer or a >= e:
                 continue
             rng = [a - slot.offset, e - slot.offset]
-            src = b.flat_param[a:e] if b.stage < 3 else b.shard[a - b.shard_start:e - b.shard_start]
+            src = b.flat_param[a:e] if not b.spec.shards_params else b.shard[a - b.shard_start:e - b.shard_start]
             pieces[f"param/{name}"], index[f"param/{name}"] = src, rng
             own = slice(a - b.own_lo, e - b.own_lo)
             if b.master is not None:
@@ -93,7 +94,7 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
 
 def _check_names(reader: Reader, engine: "ShardEngine") -> None:
     have = set(reader.keys("param/"))
-    want = {ns[0] for ns in engine._aliases().values()}
+    want = {ns[0] for ns in param_aliases(engine.module).values()}
     missing, unexpected = sorted(want - have), sorted(have - want)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {reader.path} does not match this model: missing {missing[:10]}"
@@ -105,7 +106,7 @@ def load_pieces(engine: "ShardEngine", reader: Reader, params: bool, optimizer: 
     """Fill this rank's shards (stage 3 parameters and every fp32 master) and/or its optimizer state."""
     engine.wait_params()
     _check_names(reader, engine)
-    aliases = engine._aliases()
+    aliases = param_aliases(engine.module)
     for b in engine.buckets:
         if params:
             _load_bucket_params(b, reader, aliases)
@@ -117,7 +118,7 @@ def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
     with torch.no_grad():
         for slot, p in zip(b.layout.slots, b.params):
             name = aliases[id(p)][0]
-            if b.stage == 3:
+            if b.spec.shards_params:
                 a, e = max(slot.offset, b.shard_start), min(slot.end, b.shard_end)
                 if a < e:
                     b.shard[a - b.shard_start:e - b.shard_start].copy_(

@@ -23,7 +23,7 @@ def param_sizes(engine: Any) -> dict[int, tuple[int, int]]:
     for b in engine.buckets:
         lo, hi = b.own_lo, b.own_hi
         for p, slot in zip(b.params, b.layout.slots):
-            held = slot.numel if b.stage < 3 else max(0, min(hi, slot.end) - max(lo, slot.offset))
+            held = slot.numel if not b.spec.shards_params else max(0, min(hi, slot.end) - max(lo, slot.offset))
             out[id(p)] = (slot.numel, held)
     return out
 
