@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .state import autograd_running
+
 __all__ = [
     "LEDGER",
     "Ledger",
@@ -117,7 +119,7 @@ class Ledger:
     def record_bytes(self, op: str, group: Group, nbytes: int, tag: str = "", dtype: str = "object") -> None:
         world = get_world_size(group)
         entry = LedgerEntry(op, group_name(group), world, nbytes, ring_wire_bytes(op, nbytes, world), tag, dtype,
-                            torch._C._current_graph_task_id() != -1)
+                            autograd_running())
         with self._lock:
             self._entries.append(entry)
             self._count += 1

@@ -1,30 +1,22 @@
-"""The ZeRO-0/1/2 sharding engine and its gradient-sync controller.
+"""The sharding engine: the wiring of one ZeRO stage (0-3) around a module and its optimizers.
 
-One engine serves every stage; the stage only changes how a bucket is split and reduced:
+What a stage means for a bucket is :class:`.spec.ShardSpec`; the rest lives in one file per concern, and the
+engine calls them in the order of a training step:
 
-============  =====================================  ========================  ==================
-stage         gradient reduction (boundary)          optimizer steps on        after the step
-============  =====================================  ========================  ==================
-0             all-reduce of the full bucket           the whole bucket          nothing
-1             reduce-scatter, full grads kept         the rank's shard          all-gather params
-2             reduce-scatter, full grads freed        the rank's shard          all-gather params
-============  =====================================  ========================  ==================
-
-Accumulation (the controller): :meth:`no_sync` marks micro-batches that are not an accumulation boundary.
-With the ``defer`` policy those communicate nothing and gradients accumulate in the full buffers; with
-``per_micro_batch`` (stage 2 only) each micro-batch is reduce-scattered into an fp32 shard accumulator and
-the full gradients are freed. On a communicating backward, bucket reductions are launched asynchronously
-from gradient hooks as soon as a bucket's gradients are complete (``overlap=True``), always in bucket
-order so that every rank issues the same collectives in the same sequence.
+* set-up: desync checks (:mod:`.health`), parameter owners and bucket plan (:mod:`.plan`, :mod:`.build`),
+  stage 3 units (:mod:`.units`) and their gather/free controller (:mod:`.param_shard`);
+* backward: gradient hooks adopt gradients into the buckets, the sync controller (:mod:`.sync`) decides what
+  this backward communicates and launches the reductions in bucket order;
+* step: unused parameters left out (one mask all-reduce), the optimizer steps on shard chunks (:mod:`.optim`),
+  updated parameters are all-gathered (:mod:`.param_gather`), buffers broadcast;
+* utilities: norm, clipping and fp16 unscaling (:mod:`.grads`), full weights by name (:mod:`.state_dict`),
+  sharded checkpoint pieces (:mod:`.engine_ckpt`), the memory report.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -32,47 +24,18 @@ from torch import nn
 from . import collectives as C
 from . import grads, health, state_dict
 from .bucket import Bucket
+from .build import build_flat, build_units
+from .config import UnitConfig, parse_reduce_dtype, phase
 from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
-from .plan import Owner, flat_buckets, param_owners, unit_buckets
+from .param_gather import PostStepGathers
+from .param_shard import ParamShardController
+from .plan import Owner, param_owners
 from .spec import ShardSpec
 from .state import AccumulationPolicy, GradState
-from .units import UnitSpec, describe_plan, plan_units
-from .zero3 import ParamShardController, Unit
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-@dataclass
-class UnitConfig:
-    """Stage 3 only: how parameters are grouped into units and when they are gathered."""
-
-    granularity: str = "zero3"  # "zero3": every module with direct parameters; "fsdp": wrap policy
-    wrap_classes: Any = None  # fsdp: module classes (or class names) that become units
-    min_params: Optional[int] = None  # fsdp: modules with at least this many parameters become units
-    reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
-    prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
-    leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
-
-
-def phase(fn):
-    """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what ``bench/`` times)."""
-    label = f"lightning_shard.{fn.__name__.lstrip('_')}"
-
-    @functools.wraps(fn)
-    def labelled(*args, **kwargs):
-        with torch.profiler.record_function(label):
-            return fn(*args, **kwargs)
-    return labelled
-
-
-def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if value not in _DTYPES:
-        raise ValueError(f"reduce_dtype must be null (fp32) or one of {sorted(_DTYPES)}, got {value!r}")
-    return _DTYPES[value]
+from .sync import GradSync
+from .unit import Unit
+from .units import describe_plan, plan_units
 
 
 class ShardEngine:
@@ -140,25 +103,22 @@ class ShardEngine:
             if gather_group is None and group is None and C.get_world_size() > 1:
                 gather_group = C.duplicate_group(None, "gather")
             self.gather_group = gather_group if gather_group is not None else group
-            self.buckets, self.units = self._build_unit_buckets(specs, owner)
-            self.controller = ParamShardController(self, self.units, cfg.reshard_after_forward, cfg.prefetch_depth)
+            self.buckets, self.units = build_units(specs, owner, deferred, self._bucket)
         else:
-            self.buckets = self._build_flat_buckets(owner)
-        self._comm_buckets = [b for b in self.buckets if b.trainable]
+            self.buckets = build_flat(module, owner, self.bucket_bytes, self._bucket)
+        self.sync = GradSync([b for b in self.buckets if b.trainable], policy, overlap, self.reduce_dtype)
+        if self.units:
+            self.controller = ParamShardController(module, self.units, self.sync, cfg.reshard_after_forward,
+                                                   cfg.prefetch_depth)
         for binding in self.bindings:
             binding.rebind(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
-                       for b in self._comm_buckets for i, p in enumerate(b.params)]
+                       for b in self.sync.buckets for i, p in enumerate(b.params)]
         # stages 1/2: the all-gather after a step runs in the background and each module waits for its own
         # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
-        self.overlap_param_gather = overlap_param_gather and self.spec.gathers_after_step
-        self._pending_gathers: list[Bucket] = []
-        if self.overlap_param_gather:
-            self._hooks += self._register_gather_waits()
-        self._require_sync = True
-        self._comm_this_backward = False
-        self.boundary_backward = False  # the backward running now ends an accumulation window
-        self._next_launch = 0
+        self.gathers = PostStepGathers(module, self.buckets, overlap_param_gather)
+        self.overlap_param_gather = self.gathers.overlap
+        self._hooks += self.gathers.handles
         self.last_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ health (health.py)
@@ -185,70 +145,10 @@ class ShardEngine:
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group)
 
-    def _build_unit_buckets(self, specs: list[UnitSpec], owner: dict[int, Owner]) -> tuple[list[Bucket], list[Unit]]:
-        """Stage 3: the buckets of :func:`.plan.unit_buckets`, made unit by unit (with deferred init, as soon
-        as every module touching the unit is materialized). Bucket order, the reduction launch order, is
-        reverse unit order: roughly the order backward produces gradients."""
-        per_unit: dict[int, list[Bucket]] = {}
-
-        def make(ui: int) -> None:
-            spec = specs[ui]
-            per_unit[ui] = [self._bucket(-1, [spec.params[i] for i in idx], [spec.names[i] for i in idx], key)
-                            for key, idx in unit_buckets(spec, owner)]
-            if self.deferred is not None:
-                self.deferred.sharded(spec.params)
-
-        d = self.deferred
-        if d is None:
-            for ui in range(len(specs)):
-                make(ui)
-        else:  # materialize module by module; shard a unit as soon as every module touching it is done
-            waiting = {ui: {id(m) for p in spec.params if d.is_deferred(p) for m in d.referrers[id(p)]}
-                       for ui, spec in enumerate(specs)}
-            for ui, w in waiting.items():
-                if not w:
-                    make(ui)
-            for m in d.modules_in_order():
-                d.materialize(m)
-                for ui, w in waiting.items():
-                    if ui not in per_unit and id(m) in w:
-                        w.discard(id(m))
-                        if not w:
-                            make(ui)
-        buckets: list[Bucket] = []
-        for ui in reversed(range(len(specs))):
-            for b in per_unit[ui]:
-                b.index = len(buckets)
-                buckets.append(b)
-        return buckets, [Unit(ui, spec, per_unit[ui]) for ui, spec in enumerate(specs)]
-
-    def _build_flat_buckets(self, owner: dict[int, Owner]) -> list[Bucket]:
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=True)}
-        return [self._bucket(i, ps, [names[id(p)] for p in ps], key)
-                for i, (key, ps) in enumerate(flat_buckets(self.module, owner, self.bucket_bytes))]
-
-    def _register_gather_waits(self) -> list[Any]:
-        owners: dict[int, set[int]] = {}
-        for b in self.buckets:
-            for p in b.params:
-                owners.setdefault(id(p), set()).add(b.index)
-        handles = []
-        for m in self.module.modules():
-            mine = sorted({i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())})
-            if mine:
-                waits = [self.buckets[i] for i in mine]
-                handles.append(m.register_forward_pre_hook(lambda mod, args, waits=waits: self._wait(waits)))
-        return handles
-
-    def _wait(self, buckets: list[Bucket]) -> None:
-        for b in buckets:
-            b.wait_param_gather()
-
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters
         outside a forward: the optimizer step, checkpoints, evaluation, teardown)."""
-        pending, self._pending_gathers = self._pending_gathers, []
-        self._wait(pending)
+        self.gathers.wait_all()
 
     def _make_hook(self, bucket: Bucket, i: int):
         def hook(_: torch.Tensor) -> None:
@@ -257,35 +157,19 @@ class ShardEngine:
             bucket.adopt_grad(i)
             if bucket.unit is not None and bucket.unit.pending == 0:
                 self.controller.on_grads_ready(bucket.unit)
-            self.bucket_ready(bucket)
+            self.sync.bucket_ready(bucket)
         return hook
 
-    def bucket_ready(self, bucket: Bucket) -> None:
-        """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
-        if self._comm_this_backward and self.overlap and bucket.pending == 0:
-            self._launch_in_order(force=False)
-
-    # ------------------------------------------------------------------ the controller
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    # ------------------------------------------------------------------ the backward (sync.py)
+    def no_sync(self):
         """Micro-batches run inside this context are not an accumulation boundary."""
-        previous = self._require_sync
-        self._require_sync = False
-        try:
-            yield
-        finally:
-            self._require_sync = previous
-
-    def communicates_on_next_backward(self) -> bool:
-        return self._require_sync or self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        return self.sync.no_sync()
 
     @phase
     def pre_backward(self) -> None:
         self.wait_params()
-        self.boundary_backward = self._require_sync
-        self._comm_this_backward = self.communicates_on_next_backward()
-        self._next_launch = 0
-        for b in self._comm_buckets:
+        self.sync.begin()
+        for b in self.sync.buckets:
             if b.state is GradState.REDUCED:
                 raise RuntimeError(
                     f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
@@ -303,30 +187,10 @@ class ShardEngine:
     def post_backward(self) -> None:
         if self.controller is not None:
             self.controller.close_backward_schedule()
-        if not self._comm_this_backward:
-            for b in self._comm_buckets:
-                b.set_state(GradState.ACCUMULATING)
-        else:
-            self._launch_in_order(force=True)
-            accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
-            for b in self._comm_buckets:
-                b.finish_reduce(self.boundary_backward, accumulate)
-            self._comm_this_backward = False
+        self.sync.reduce_rest()
         if self.controller is not None:
             self.controller.end_backward()
-
-    def _launch_in_order(self, force: bool) -> None:
-        while self._next_launch < len(self._comm_buckets):
-            b = self._comm_buckets[self._next_launch]
-            if not force and b.pending > 0:
-                return
-            b.launch_reduce(self._reduce_dtype_for(b), async_op=True)
-            self._next_launch += 1
-
-    def _reduce_dtype_for(self, b: Bucket) -> torch.dtype:
-        if self.reduce_dtype is not None:
-            return self.reduce_dtype
-        return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype
+        self.sync.end()
 
     # ------------------------------------------------------------------ optimizer step
     def binding_for(self, optimizer: torch.optim.Optimizer) -> OptimizerBinding:
@@ -340,11 +204,7 @@ class ShardEngine:
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
         self.wait_params()
-        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
-        for b in self.binding_for(optimizer).buckets:
-            if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
-                b.launch_reduce(self._reduce_dtype_for(b), async_op=False)
-                b.finish_reduce(True, accumulate)
+        self.sync.reduce_now(self.binding_for(optimizer).buckets)
         self._leave_out_unused(optimizer)
         if self.controller is not None:
             self.controller.before_step()
@@ -388,12 +248,7 @@ class ShardEngine:
         if self.debug_collectives:
             self.check_collective_sequence()
         buckets = self.binding_for(optimizer).buckets
-        for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
-            b.launch_gather(async_op=True)
-        if self.overlap_param_gather:
-            self._pending_gathers += [b for b in buckets if b.spec.gathers_after_step]
-        else:
-            self._wait(buckets)
+        self.gathers.launch(buckets)
         for b in buckets:
             b.end_window()
         if self.broadcast_buffers and self.total_world > 1:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+import torch
+
 
 class GradState(enum.Enum):
     EMPTY = "empty"  # no gradient held for the current accumulation window
@@ -67,3 +69,9 @@ class AccumulationPolicy(str, enum.Enum):
         if value == "keep_unsharded_grads":
             return cls.DEFER
         return cls(value)
+
+
+def autograd_running() -> bool:
+    """True while autograd's engine runs a backward on this thread (hooks fired from backward, activation
+    checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() != -1

@@ -7,7 +7,7 @@ https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The rules 
 
 stages 0-2 (``core/engine.py``): each trainable bucket is all-reduced (stage 0) or reduce-scattered on the
 boundary micro-batch, or on every micro-batch with ``per_micro_batch``; stages 1/2 all-gather every bucket
-after the step. Stage 3 (``core/zero3.py``): every unit's buckets (frozen ones too) are gathered in forward
+after the step. Stage 3 (``core/param_shard.py``): every unit's buckets (frozen ones too) are gathered in forward
 and again in backward (``reshard_after_forward``), once per micro-batch without it, once per step with
 ``keep_params``; trainable buckets are reduce-scattered per micro-batch or at the boundary only. Hybrid:
 one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
@@ -87,7 +87,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 times = 2 if cfg.reshard_after_forward else 1
             for k in range(times):
                 for b in layout.buckets:
-                    # parameter gathers run on a copy of the shard group of their own (core/zero3.py)
+                    # parameter gathers run on a copy of the shard group of their own (core/engine.py: gather_group)
                     out.append(Collective("all_gather", "gather", S, b.padded_numel * b.itemsize, "unshard",
                                           "forward" if k == 0 else "backward", m))
         if boundary or cfg.per_micro_batch:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from ..core.engine import parse_reduce_dtype
+from ..core.config import parse_reduce_dtype
 from .layout import validate_shard_size
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
+from ..core.config import UnitConfig
 from ..core.deferred import DeferredInit, has_meta_tensors
-from ..core.engine import UnitConfig
 from .config import FSDPConfig, Zero3Config
 from .knobs import describe, takes_knobs_of
 from .zero import ZeroStrategy

@@ -39,7 +39,7 @@ ALLOWED = {
     ("planner/advice.py", "CLASS_DEFAULTS"): "mirror of the defaults for the planner, compared below",
     ("planner/config.py", "Job"): "the planner's model of a job (accumulation steps, DDP-like flags)",
     ("app/schema.py", "DDPStrategyConf"): "Lightning's DDPStrategy keywords, not ours",
-    ("core/engine.py", "UnitConfig"): "the engine's own parameters; core imports torch only",
+    ("core/config.py", "UnitConfig"): "the engine's own parameters; core imports torch only",
     ("strategies/__init__.py", "REGISTERED"): "registry presets: the few values a registered name sets",
     ("strategies/zero.py", "ATTRIBUTE_OF"): "the knobs stored under another attribute name",
 }

@@ -1,0 +1,44 @@
+"""The engine's own small settings: how stage-3 units are formed, the reduction dtype's names, and the
+profiler label of each engine phase. (The user-facing knob list is ``strategies/config.py``.)"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class UnitConfig:
+    """Stage 3 only: how parameters are grouped into units and when they are gathered."""
+
+    granularity: str = "zero3"  # "zero3": every module with direct parameters; "fsdp": wrap policy
+    wrap_classes: Any = None  # fsdp: module classes (or class names) that become units
+    min_params: Optional[int] = None  # fsdp: modules with at least this many parameters become units
+    reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
+    prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
+    leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
+
+
+def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"reduce_dtype must be null (fp32) or one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+def phase(fn):
+    """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what ``bench/`` times)."""
+    label = f"lightning_shard.{fn.__name__.lstrip('_')}"
+
+    @functools.wraps(fn)
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+    return labelled

@@ -1,0 +1,112 @@
+"""Backward of the parameter-sharding controller: the reversed schedule, gathering units ahead of their
+gradients, zero contributions from units that did not run on this rank, and freeing a unit once its gradients
+and its inputs' gradients are computed."""
+
+from __future__ import annotations
+
+from . import collectives as C
+from .state import ParamState
+from .unit import Unit
+
+
+class BackwardSchedule:
+    """Part of :class:`~.param_shard.ParamShardController` (its state and gather/free methods)."""
+
+    def begin_backward(self) -> None:
+        self.end_pass()  # manual optimization: backward inside training_step
+        self._bcur = 0
+        for u in self.step_units:
+            if u.state is ParamState.UNSHARDED:
+                self._prepare_backward(u)
+
+    def _advance_backward_to(self, unit: Unit) -> None:
+        """Issue the backward schedule up to ``unit`` (and the prefetch after it), in schedule order."""
+        q = self._bpos.get(unit.index)
+        if q is None or q < self._bcur:
+            return
+        for k in range(self._bcur, q):
+            self._catch_up_backward(self.units[self.bwd_order[k]])
+        self._issue(unit, "gather")
+        self._bcur = q + 1
+        for k in range(self._bcur, min(len(self.bwd_order), self._bcur + self.prefetch_depth)):
+            self._catch_up_backward(self.units[self.bwd_order[k]])
+            self._bcur = k + 1
+
+    def _catch_up_backward(self, unit: Unit) -> None:
+        self._issue(unit)
+        if not unit.ran and not unit.backward_prepared:
+            self._idle.append(unit)  # no gradient will come here; the gather is for the ranks that ran it
+
+    def _settle_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for u in idle:
+            for x in u.group:
+                x.wait()
+                for b in x.trainable:
+                    if b.pending:
+                        b.attach_grads()
+                        b.pending = 0
+                        self.sync.bucket_ready(b)
+            if not self._keep_after_backward():
+                self._free(u)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if unit.backward_prepared:
+            return
+        with self._quiet():
+            self._settle_idle()
+            if unit in self.step_units:  # every rank's loss reaches the step's root unit first
+                self._materialize(unit)
+            elif unit.host is not None or unit.index not in self._bpos:
+                self._unplanned(unit, "it got a backward it did not get in the first step", backward=True)
+            else:
+                self._advance_backward_to(unit)
+                self._materialize(unit)
+            self._prepare_backward(unit)
+            self._settle_idle()
+
+    def _prepare_backward(self, unit: Unit) -> None:
+        unit.backward_prepared = True
+        self._materialize(unit)
+        for u in unit.group:
+            u.backward_prepared = True
+            for b in u.trainable:
+                b.attach_grads()
+
+    def on_grads_ready(self, unit: Unit) -> None:
+        """All of ``unit``'s gradients are accumulated for this backward."""
+        self._maybe_free_after_backward(unit.host or unit)
+
+    def _maybe_free_after_backward(self, unit: Unit) -> None:
+        if unit in self.step_units or not unit.backward_prepared or self._keep_after_backward():
+            return
+        if unit.input_waits == 0 and all(u.pending == 0 for u in unit.group):
+            self._free(unit)
+
+    def close_backward_schedule(self) -> None:
+        """Autograd is done: gather what the backward schedule has left (other ranks may have needed it), with
+        zero gradients here, before the engine launches its last reductions."""
+        for k in range(self._bcur, len(self.bwd_order)):
+            u = self.units[self.bwd_order[k]]
+            self._issue(u, "participate")
+            if not u.backward_prepared:
+                self._idle.append(u)
+        self._bcur = len(self.bwd_order)
+        self._settle_idle()
+
+    def end_backward(self) -> None:
+        if self._discover_backward:  # the first backward: units outside the schedule that needed one join it
+            self._discover_backward = False
+            extra = sorted(self._backward_extra)
+            everyone = C.all_gather_object(extra, tag="unit_discovery") if C.get_world_size() > 1 else [extra]
+            self._backward_plan = {ui for e in everyone for ui in e if self.units[ui].host is None
+                                   and self.units[ui] not in self.step_units}
+            self._backward_extra.clear()
+            self._set_schedule(self.fwd_order)
+        keep = self._keep_after_backward()
+        for u in self.units:
+            u.backward_prepared = False
+            if u.state is ParamState.GATHERING:  # prefetched but never used in this backward
+                u.wait()
+            if not keep:
+                u.reshard()

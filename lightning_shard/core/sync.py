@@ -1,0 +1,105 @@
+"""The gradient-sync controller: which backward communicates, and the reductions it launches.
+
+:meth:`GradSync.no_sync` marks micro-batches that are not an accumulation boundary. Under ``defer`` those
+communicate nothing and gradients accumulate in the full buffers; under ``per_micro_batch`` (stages 2/3) each
+micro-batch is reduce-scattered into an fp32 shard accumulator and the full gradients are freed. On a
+communicating backward, bucket reductions are launched asynchronously from gradient hooks as soon as a bucket's
+gradients are complete (``overlap=True``), always in bucket order, so that every rank issues the same
+collectives in the same sequence; whatever is left is launched when autograd is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+from .bucket import Bucket
+from .state import AccumulationPolicy, GradState
+
+
+class SyncState(enum.Enum):
+    """The backward in progress (from ``begin`` to ``end``), or none."""
+
+    IDLE = "idle"  # no backward in progress
+    LOCAL = "local"  # a no_sync backward under "defer": gradients stay in the full buffers, nothing moves
+    MICRO_BATCH = "micro_batch"  # a no_sync backward under "per_micro_batch": reduce-scatter into accumulators
+    BOUNDARY = "boundary"  # the backward that ends an accumulation window: every bucket is reduced and published
+
+
+class GradSync:
+    def __init__(self, buckets: list[Bucket], policy: AccumulationPolicy, overlap: bool,
+                 reduce_dtype: Optional[torch.dtype]) -> None:
+        self.buckets = buckets  # the trainable buckets, in launch order
+        self.policy, self.overlap, self.reduce_dtype = policy, overlap, reduce_dtype
+        self.require_sync = True  # the next backward ends a window (False inside no_sync)
+        self.state = SyncState.IDLE
+        self._next_launch = 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches run inside this context are not an accumulation boundary."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    @property
+    def boundary(self) -> bool:
+        """The backward in progress ends an accumulation window."""
+        return self.state is SyncState.BOUNDARY
+
+    @property
+    def communicating(self) -> bool:
+        return self.state in (SyncState.MICRO_BATCH, SyncState.BOUNDARY)
+
+    def begin(self) -> None:
+        """A backward starts: decide what it communicates."""
+        if self.require_sync:
+            self.state = SyncState.BOUNDARY
+        else:
+            self.state = SyncState.MICRO_BATCH if self.policy is AccumulationPolicy.PER_MICRO_BATCH else SyncState.LOCAL
+        self._next_launch = 0
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
+        if self.communicating and self.overlap and bucket.pending == 0:
+            self._launch_in_order(force=False)
+
+    def reduce_rest(self) -> None:
+        """Autograd is done: launch what is left and wait for every reduction of this backward."""
+        if not self.communicating:
+            for b in self.buckets:
+                b.set_state(GradState.ACCUMULATING)
+            return
+        self._launch_in_order(force=True)
+        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        for b in self.buckets:
+            b.finish_reduce(self.boundary, accumulate)
+
+    def end(self) -> None:
+        self.state = SyncState.IDLE
+
+    def reduce_now(self, buckets: list[Bucket]) -> None:
+        """Before a step: reduce, synchronously, the buckets whose gradients no boundary backward published."""
+        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        for b in buckets:
+            if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
+                b.launch_reduce(self.reduce_dtype_for(b), async_op=False)
+                b.finish_reduce(True, accumulate)
+
+    def _launch_in_order(self, force: bool) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if not force and b.pending > 0:
+                return
+            b.launch_reduce(self.reduce_dtype_for(b), async_op=True)
+            self._next_launch += 1
+
+    def reduce_dtype_for(self, b: Bucket) -> torch.dtype:
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype
