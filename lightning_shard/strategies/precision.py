@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from ..core.scaler import LossScaler
+
+if TYPE_CHECKING:
+    from ..core.engine import ShardEngine
 
 SUPPORTED = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -36,7 +39,7 @@ class ShardedPrecision(Precision):
         self.precision = inner.precision
         # fp16 needs loss scaling; Lightning's torch GradScaler decides per rank, ours agrees across ranks.
         self.loss_scaler: Optional[LossScaler] = LossScaler() if self.precision in ("16-mixed", "16-true") else None
-        self.engine: Any = None  # set by the strategy once the engine exists
+        self._engine: Optional[ShardEngine] = None  # the strategy's engine, from attach()
         self.skipped_steps = 0
 
     # ---------------------------------------------------------------- delegated to Lightning's plugin
@@ -59,6 +62,17 @@ class ShardedPrecision(Precision):
         return self.inner.convert_output(data)
 
     # ---------------------------------------------------------------- ours
+    def attach(self, engine: Optional["ShardEngine"]) -> None:
+        """The strategy hands over the engine that owns the shards (None: detached, e.g. after teardown)."""
+        self._engine = engine
+
+    @property
+    def engine(self) -> "ShardEngine":
+        if self._engine is None:
+            raise RuntimeError("the lightning_shard precision plugin was used before its strategy set up the engine "
+                               "(ShardedPrecision.attach); it only works inside a lightning_shard strategy")
+        return self._engine
+
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.loss_scaler is not None:
             tensor = tensor * self.loss_scaler.scale
@@ -66,8 +80,6 @@ class ShardedPrecision(Precision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         engine = self.engine
-        if engine is None:
-            raise RuntimeError("ShardedPrecision.optimizer_step called before the strategy set up its engine")
         closure_result = closure()  # forward + backward (the boundary backward finishes the reductions)
         engine.prepare_step(optimizer)
         found_inf = False

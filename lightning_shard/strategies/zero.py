@@ -118,7 +118,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def precision_plugin(self) -> Precision:
+    def precision_plugin(self) -> ShardedPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ShardedPrecision()
         return self._precision_plugin
@@ -172,6 +172,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if self.engine is not None:  # a previous fit's engine: its hooks go, the module is whole again
             self.engine.remove_hooks()
             self.engine = None
+            self.precision_plugin.attach(None)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -196,7 +197,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
             if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout
                 summary.install(trainer, self.engine)
-            self.precision_plugin.engine = self.engine
+            self.precision_plugin.attach(self.engine)
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
                 self.engine.load_full(self._masters_from_checkpoint, masters_only=True)
                 self._masters_from_checkpoint = {}
