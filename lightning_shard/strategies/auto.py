@@ -29,20 +29,12 @@ STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3, "ze
 class AutoStrategy(Zero3Strategy):
     strategy_name = "zero_auto"
     CONFIG = AutoConfig  # wrap_classes / min_params: used if the planner picks fsdp_shard
+    DEFERRED_INIT = False  # the choice is made at setup, after configure_model(): no meta-device init
 
     @takes_knobs_of(AutoConfig)
     def __init__(self, **knobs: Any) -> None:
         self.recommendation: Any = None
         super().__init__(**knobs)
-
-    def _unit_config(self):
-        cfg = super()._unit_config()
-        if self.GRANULARITY == "fsdp":
-            cfg.wrap_classes, cfg.min_params = self.wrap_classes, self.min_params
-        return cfg
-
-    def model_sharded_context(self):  # the choice is made at setup: no meta-device init here
-        return super(Zero3Strategy, self).model_sharded_context()
 
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self.recommendation is None:
@@ -65,7 +57,7 @@ class AutoStrategy(Zero3Strategy):
         (the hybrid process groups are made by ``_choose``, collectively)."""
         name, kw = rec.strategy_name, dict(rec.kwargs)
         self.stage = STAGE_OF[name]
-        self.GRANULARITY = "fsdp" if name.startswith("fsdp") else "zero3"
+        self.granularity = "fsdp" if name.startswith("fsdp") else "zero3"
         self.accumulation = kw.pop("accumulation", "auto")
         shard = kw.pop("shard_size", None)
         if shard:

@@ -89,10 +89,6 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ Lightning surface
     @property
-    def strategy_name_full(self) -> str:
-        return f"zero{self.stage}"
-
-    @property
     def is_distributed(self) -> bool:
         return True  # Lightning injects a DistributedSampler and reduces sync_dist logs only when this is True
 

@@ -41,19 +41,25 @@ class Zero3Strategy(ZeroStrategy):
     strategy_name = "zero3"
     CONFIG = Zero3Config
     DEFAULT_STAGE = 3
-    GRANULARITY = "zero3"
+    GRANULARITY = "zero3"  # how units are formed: "zero3" (every module with parameters) or "fsdp" (wrap policy)
+    DEFERRED_INIT = True  # configure_model() runs on the meta device (strategy=auto decides too late for that)
 
     @takes_knobs_of(Zero3Config)
     def __init__(self, **knobs: Any) -> None:
         self._deferred: Optional[DeferredInit] = None
         self._init_rng: Optional[torch.Tensor] = None
         super().__init__(**knobs)
+        self.granularity = self.GRANULARITY
 
     # ------------------------------------------------------------------ deferred (meta-device) init
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model()`` runs here: modules are created on the meta device (no memory), and the RNG
         state is remembered so that shard-by-shard materialization draws the same values a full init would."""
+        if not self.DEFERRED_INIT:
+            with super().model_sharded_context():
+                yield
+            return
         self._init_rng = torch.random.get_rng_state()
         with torch.device("meta"):
             yield
@@ -80,8 +86,13 @@ class Zero3Strategy(ZeroStrategy):
         return deferred
 
     def _unit_config(self) -> UnitConfig:
-        return UnitConfig(self.GRANULARITY, reshard_after_forward=self.reshard_after_forward,
-                          prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules)
+        cfg = UnitConfig(self.granularity, reshard_after_forward=self.reshard_after_forward,
+                         prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules)
+        if self.granularity == "fsdp":  # the wrap policy (FSDPConfig's knobs)
+            wrap = self.wrap_classes
+            cfg.wrap_classes = list(wrap) if isinstance(wrap, (list, tuple)) else wrap
+            cfg.min_params = self.min_params
+        return cfg
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -148,12 +159,6 @@ class FSDPShardStrategy(Zero3Strategy):
     @takes_knobs_of(FSDPConfig)
     def __init__(self, **knobs: Any) -> None:
         super().__init__(**knobs)
-
-    def _unit_config(self) -> UnitConfig:
-        cfg = super()._unit_config()
-        cfg.wrap_classes = list(self.wrap_classes) if isinstance(self.wrap_classes, (list, tuple)) else self.wrap_classes
-        cfg.min_params = self.min_params
-        return cfg
 
 
 for _cls in (Zero3Strategy, FSDPShardStrategy):

@@ -304,7 +304,7 @@ def test_auto_strategy_agrees_with_the_cli(model, topology, gpus, global_batch, 
     built = cls(**{**init, **rec.kwargs})
     assert auto.stage == built.stage
     if built.stage == 3:  # which modules become units (zero3: every module; fsdp_shard: the wrap policy)
-        assert auto.GRANULARITY == built.GRANULARITY
+        assert auto.granularity == built.granularity
     assert auto.recommendation is rec
     for k in KNOBS:
         if k in rec.kwargs or k == "accumulation":
