@@ -11,7 +11,7 @@ step (``grad=None``) with its own state and step count, exactly as torch does.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from .chunks import OptimizerChunks
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
 from .spec import ShardSpec
 from .state import GradState, ParamState, param_transition, transition
+
+if TYPE_CHECKING:
+    from .unit import Unit
 
 
 class Gauge:
@@ -48,7 +51,7 @@ class Bucket:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.itemsize = params[0].element_size()
-        self.unit: Any = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
+        self.unit: Optional[Unit] = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
         self.gauge = Gauge()  # stage 3: the controller hands every bucket the same one
         self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
         shard = 0 if spec.num_shards == 1 else rank

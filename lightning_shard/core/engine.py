@@ -16,7 +16,7 @@ engine calls them in the order of a training step:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -40,13 +40,13 @@ from .units import describe_plan, plan_units
 
 class ShardEngine:
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
-                 group: Any = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
+                 group: C.Group = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
                  accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
                  allow_custom_optimizer: bool = False, find_unused_parameters: bool = True,
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
-                 replicate_group: Any = None, overlap_param_gather: bool = True,
+                 replicate_group: C.Group = None, overlap_param_gather: bool = True,
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
-                 debug_collectives: bool = False, gather_group: Any = None) -> None:
+                 debug_collectives: bool = False, gather_group: C.Group = None) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")

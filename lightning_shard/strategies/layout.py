@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from ..core import collectives as C
 from ..topology import Topology, build_layout, check_placement, detect, from_capture, load_preset
@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Groups:
-    shard: Any = None  # None: the world group
-    replicate: Any = None  # None: no replication (plain sharding)
+    shard: C.Group = None  # None: the world group
+    replicate: C.Group = None  # None: no replication (plain sharding)
     axes: Optional[dict[str, int]] = None
-    gather: Any = None  # stage 3: a copy of the shard group for parameter all-gathers (None: the engine makes one)
+    gather: C.Group = None  # stage 3: a copy of the shard group for parameter all-gathers (None: the engine makes one)
 
 
 def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
