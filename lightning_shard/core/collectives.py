@@ -38,6 +38,7 @@ __all__ = [
     "all_gather",
     "all_gather_object",
     "all_reduce",
+    "backend",
     "barrier",
     "broadcast",
     "broadcast_coalesced",
@@ -180,6 +181,11 @@ def get_world_size(group: Group = None) -> int:
 
 def get_rank(group: Group = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
+
+
+def backend(group: Group = None) -> str:
+    """The process group's backend ("gloo", "nccl", ...); "" without a process group."""
+    return str(dist.get_backend(group)) if is_initialized() else ""
 
 
 def group_name(group: Group) -> str:
