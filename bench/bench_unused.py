@@ -5,7 +5,8 @@ rank used is left out of the step as torch leaves it) and False (no exchange), s
     .venv/bin/python bench/bench_unused.py              # ~4 min on 2 cores
     .venv/bin/python bench/bench_unused.py --quick
 
-Writes ``bench/results/unused.json`` and ``.md``. Machinery and what is measured: ``bench/common.py``.
+Writes ``bench/results/unused.json`` and ``.md``. Machinery: ``bench/driver.py``; what is measured:
+``bench/measure.py``.
 No speed thresholds: this script reports, it does not judge.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import main  # noqa: E402
+from driver import main  # noqa: E402
 
 if __name__ == "__main__":
     main(default_suite="unused", description=__doc__)

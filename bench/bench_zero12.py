@@ -11,7 +11,8 @@ each variant in a fresh Python process with 2 CPU ranks (gloo, 1 thread per rank
 
 Variants: ``zero0``/``zero1``/``zero2`` (lightning_shard), ``ddp`` (Lightning ``DDPStrategy``), ``zero_r``
 (``torch.distributed.optim.ZeroRedundancyOptimizer`` wrapping AdamW, returned from ``configure_optimizers``
-under Lightning ``DDPStrategy``). What is measured and how: see ``bench/common.py`` (shared by both scripts).
+under Lightning ``DDPStrategy``). What is measured and how: ``bench/measure.py`` and ``bench/wire.py``; the
+driver, ``bench/driver.py``, is shared by the three scripts.
 
 No speed thresholds: this script reports, it does not judge.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import main  # noqa: E402
+from driver import main  # noqa: E402
 
 if __name__ == "__main__":
     main(default_suite="zero12", description=__doc__)

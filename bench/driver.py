@@ -1,0 +1,289 @@
+"""Command line and multi-process driver of the sharding benchmarks (``bench_zero12.py``, ``bench_zero3.py`` and
+``bench_unused.py`` are thin entry points; ``python bench/driver.py --variant V --rank-out P`` is one variant's run).
+
+Three suites, each a table of variants trained on the same small GPT (the recipe ``recipes.gpt.GPT``; synthetic
+tokens, fixed seed, AdamW), each variant in a fresh Python process with N CPU ranks (gloo, 1 thread per rank):
+
+* ``zero12`` -> ``bench/results/zero12.{json,md}``: ``zero0``/``zero1``/``zero2`` (lightning_shard), ``ddp``
+  (Lightning ``DDPStrategy``), ``zero_r`` (``torch.distributed.optim.ZeroRedundancyOptimizer`` wrapping AdamW,
+  returned from ``configure_optimizers`` under Lightning ``DDPStrategy``).
+* ``zero3`` -> ``bench/results/zero3.{json,md}``: ``zero3`` (lightning_shard ``Zero3Strategy``, every module with
+  parameters a unit), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[recipes.gpt.Block])``), ``fsdp2`` (torch
+  FSDP2 ``fully_shard`` applied per block then to the GPT root in ``configure_model()``, run by Lightning's
+  ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` on gloo), ``ddp`` (reference).
+* ``unused`` -> ``bench/results/unused.{json,md}``: what leaving parameters without gradients out of the step
+  costs (``find_unused_parameters=True``, the default: one all-reduce of a byte per parameter per optimizer step)
+  against ``False`` (no exchange), for zero2 and zero3, side by side in one run.
+* ``all``: every table in one go (a variant measured for an earlier table is reused in a later one).
+
+Every variant uses a launcher that starts each rank as its own fresh interpreter, so peak RSS is per rank. Where
+the modules are: ``variants.py`` (suites, model, module and strategy per variant), ``rank.py`` (one rank's fit),
+``measure.py`` (what a rank measures, its result file), ``wire.py`` (bytes on the wire), ``report.py`` (Markdown).
+
+No speed thresholds: this script reports, it does not judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from report import MARKDOWN
+from variants import NOTES, SUITES, VARIANTS, model_param_count
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    n_params = model_param_count(args)
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "lightning": lightning.__version__, "platform": platform.platform(), "ranks": args.devices,
+        "threads_per_rank": 1, "backend": "gloo", "params": n_params, "param_mib_fp32": n_params * 4 / 2**20,
+        "model": {k: getattr(args, k) for k in ("vocab", "block_size", "n_layer", "n_head", "n_embd")},
+        "micro_batch_per_rank": args.batch_size, "tokens_per_step_per_rank": args.batch_size * args.block_size,
+        "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "optimizer": "AdamW(lr=3e-4, betas=(0.9,0.95), wd=0.1/0)",
+        "bucket_mb": args.bucket_mb, "comm_hook": args.comm_hook, "repeats": args.repeats,
+        "profile_steps": args.profile_steps,
+    }
+
+
+def child_argv(args: argparse.Namespace, variant: str, rank_out: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--rank-out", str(rank_out)]
+    for k in ("steps", "warmup", "n_layer", "n_head", "n_embd", "vocab", "block_size", "batch_size", "bucket_mb",
+              "seed", "devices", "profile_steps"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if not args.comm_hook:
+        argv.append("--no-comm-hook")
+    return argv
+
+
+def suite_outputs(args: argparse.Namespace, suite: str) -> tuple[Path, Path]:
+    single = len(args.suites) == 1
+    out_json = Path(args.out_json) if single and args.out_json else Path(args.out_dir) / f"{suite}.json"
+    out_md = Path(args.out_md) if single and args.out_md else Path(args.out_dir) / f"{suite}.md"
+    return out_json, out_md
+
+
+def run_all(args: argparse.Namespace) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    info = machine_info(args)
+    print(f"model: {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
+          f"{args.devices} ranks x 1 thread; {args.warmup} warmup + {args.steps} timed steps; "
+          f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite(s) {', '.join(args.suites)}", flush=True)
+    done: dict[str, tuple[str, dict[str, Any]]] = {}  # variant -> (suite that ran it, merged result)
+    written = []
+    for suite in args.suites:
+        variants = [v for v in SUITES[suite] if v in args.variants]
+        if not variants:
+            print(f"suite {suite}: no selected variant, skipped", flush=True)
+            continue
+        tmp = Path(args.out_dir) / f"{suite}.tmp"  # per-rank files and logs (default: bench/results/<suite>.tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        t_suite = time.perf_counter()
+        todo = [v for v in variants if v not in done]
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in todo}
+        for rep in range(args.repeats):
+            order = list(todo) if rep % 2 == 0 else list(reversed(todo))  # ABC CBA: spread drift
+            for variant in order:
+                runs[variant].append(run_one(args, variant, rep, tmp, env))
+        results: dict[str, dict[str, Any]] = {}
+        for v in variants:
+            if v in done:  # measured in an earlier table of this invocation: reuse, say so
+                results[v] = dict(done[v][1], reused_from_suite=done[v][0])
+            else:
+                results[v] = merge_repeats(v, runs[v])
+                done[v] = (suite, results[v])
+        wall = time.perf_counter() - t_suite
+        for key, base_variant in (("ratio_vs_ddp", "ddp"), ("ratio_vs_fsdp2", "fsdp2")):
+            base = results.get(base_variant, {}).get("tokens_per_s_mean")
+            if base_variant in results:
+                for r in results.values():
+                    if "error" not in r:
+                        r[key] = r["tokens_per_s_mean"] / base if base else None
+        doc = {"suite": suite, "machine": info, "command": " ".join([Path(sys.executable).name] + sys.argv),
+               "wall_s": wall, "results": results}
+        out_json, out_md = suite_outputs(args, suite)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(doc, indent=1))
+        md = MARKDOWN[suite](doc)
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        out_md.write_text(md)
+        print("\n" + md, flush=True)
+        written += [str(out_json), str(out_md)]
+    print(f"wrote {', '.join(written)}")
+
+
+def run_one(args: argparse.Namespace, variant: str, rep: int, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
+    rank_out = tmp / f"{variant}.r{rep}.json"
+    for r in range(args.devices):
+        rank_out.with_suffix(f".rank{r}.json").unlink(missing_ok=True)
+    log_path = tmp / f"{variant}.r{rep}.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(child_argv(args, variant, rank_out), cwd=REPO, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=args.timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    files = [rank_out.with_suffix(f".rank{r}.json") for r in range(args.devices)]
+    deadline = time.time() + (60 if rc == 0 else 0)
+    while not all(f.exists() for f in files) and time.time() < deadline:
+        time.sleep(0.5)
+    wall = time.perf_counter() - t0
+    if rc != 0 or not all(f.exists() for f in files):
+        tail = log_path.read_text()[-3000:]
+        print(f"[{variant} #{rep}] FAILED (rc={rc}); log tail:\n{tail}", flush=True)
+        return {"variant": variant, "note": NOTES[variant], "error": f"rc={rc}", "log_tail": tail}
+    time.sleep(0.5)  # let the last rank finish writing
+    r = summarize(variant, [json.loads(f.read_text()) for f in files], wall)
+    print(f"[{variant} #{rep}] {r['tokens_per_s_mean']:.0f} tok/s/rank, model state "
+          f"{'/'.join(f'{x:.1f}' for x in r['model_state_mib_per_rank'])} MiB (opt "
+          f"{'/'.join(f'{x:.1f}' for x in r['optimizer_state_mib_per_rank'])}), "
+          f"peak RSS {r['peak_rss_mib_max']:.0f} MiB, wire {r['wire_mib_per_step_per_rank']:.1f} MiB/step, "
+          f"final loss {r['final_loss_rank0']:.4f} ({wall:.0f}s)", flush=True)
+    return r
+
+
+def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean tokens/s over repeats; memory and bytes from the first good run (they do not depend on timing)."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    out = dict(good[0])
+    out["repeats"] = [{k: r[k] for k in ("tokens_per_s_mean", "tokens_per_s_per_rank", "median_step_s_per_rank",
+                                         "phase_s_per_step_rank0", "engine_s_per_step_rank0", "variant_wall_s")}
+                      for r in good]
+    out["failed_repeats"] = len(runs) - len(good)
+    out["tokens_per_s_mean"] = sum(r["tokens_per_s_mean"] for r in good) / len(good)
+    out["tokens_per_s_rank0"] = sum(r["tokens_per_s_rank0"] for r in good) / len(good)
+    out["peak_rss_mib_max"] = max(r["peak_rss_mib_max"] for r in good)
+    out["peak_rss_mib_per_rank"] = [max(r["peak_rss_mib_per_rank"][i] for r in good)
+                                    for i in range(len(good[0]["peak_rss_mib_per_rank"]))]
+    for key in ("phase_s_per_step_rank0", "engine_s_per_step_rank0"):
+        out[key] = {k: sum(r[key][k] for r in good) / len(good) for k in good[0][key]}
+    out["median_step_s_per_rank"] = [sorted(r["median_step_s_per_rank"][i] for r in good)[len(good) // 2]
+                                     for i in range(len(good[0]["median_step_s_per_rank"]))]
+    return out
+
+
+def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    mib = 2**20
+    tps = [r["tokens_per_s"] for r in ranks]
+    return {
+        "variant": variant, "note": NOTES[variant], "variant_wall_s": wall,
+        "tokens_per_s_rank0": tps[0], "tokens_per_s_mean": sum(tps) / len(tps), "tokens_per_s_per_rank": tps,
+        "median_step_s_per_rank": [r["median_step_s"] for r in ranks],
+        "optimizer_state_mib_per_rank": [round(r["optimizer_state_bytes"] / mib, 2) for r in ranks],
+        "model_state_mib_per_rank": [round(r["model_state"]["total"] / mib, 2) for r in ranks],
+        "model_state_bytes_each_rank": [r["model_state"] for r in ranks],
+        "peak_rss_mib_per_rank": [round(r["peak_rss_bytes"] / mib, 1) for r in ranks],
+        "peak_rss_mib_max": max(r["peak_rss_bytes"] for r in ranks) / mib,
+        "wire_mib_per_step_per_rank": max(r["wire_bytes_per_step"] for r in ranks) / mib,
+        "wire_mib_per_step_each_rank": [r["wire_bytes_per_step"] / mib for r in ranks],
+        "wire_formula_mib_per_step": ranks[0]["wire_formula_bytes_per_step"] / mib,
+        "wire_source": ranks[0]["wire_source"], "wire_detail_rank0": ranks[0]["wire_detail"],
+        "phase_s_per_step_rank0": ranks[0]["phase_s_per_step"],
+        "phase_s_per_step_rank1": ranks[-1]["phase_s_per_step"],
+        "engine_s_per_step_rank0": ranks[0]["engine_s_per_step"],
+        "model_state_rank0": ranks[0]["model_state"],
+        "final_loss_rank0": ranks[0]["losses"][-1], "losses_rank0": ranks[0]["losses"],
+        "torch_threads": ranks[0]["torch_threads"],
+    }
+
+
+
+# ============================================================================================ CLI
+def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
+               description: Optional[str] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(description or __doc__ or "").split("\n\n")[0])
+    p.add_argument("--suite", choices=(*SUITES, "all"), default=default_suite,
+                   help=f"which table(s): zero12 {SUITES['zero12']}, zero3 {SUITES['zero3']}, or all "
+                        f"(default {default_suite})")
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="restrict the suite(s) to these variants (default: all of the suite's)")
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per variant")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
+    p.add_argument("--n-layer", type=int, default=None)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per variant, order reversed every other round; tokens/s is their mean")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps after the timed ones run under torch.profiler for the engine phase times (0: none)")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="~1 minute smoke run per suite (smaller model, few steps)")
+    p.add_argument("--no-comm-hook", dest="comm_hook", action="store_false",
+                   help="plain DDP (no counting hook): DDP/ZeRO-R bytes are then computed, not measured")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant before giving up")
+    p.add_argument("--out-dir", default=str(RESULTS), help="where <suite>.json / <suite>.md go")
+    p.add_argument("--out-json", default=None, help="JSON path (only when a single suite runs)")
+    p.add_argument("--out-md", default=None, help="Markdown path (only when a single suite runs)")
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant, one rank
+    p.add_argument("--rank-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    full = dict(repeats=2, steps=12, warmup=3, n_layer=6, n_embd=512, batch_size=4)
+    quick = dict(repeats=1, steps=5, warmup=2, n_layer=2, n_embd=256, batch_size=2)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.suites = list(SUITES) if args.suite == "all" else [args.suite]
+    in_suites = [v for s in args.suites for v in SUITES[s]]
+    if args.variants is None:
+        args.variants = list(dict.fromkeys(in_suites))
+    elif not args.variant:
+        stray = [v for v in args.variants if v not in in_suites]
+        if stray:
+            p.error(f"variant(s) {stray} are not in suite {args.suite}; use --suite all or the suite that has them")
+    if (args.out_json or args.out_md) and len(args.suites) > 1:
+        p.error("--out-json/--out-md name one table's files; with --suite all use --out-dir")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.profile_steps < 0:
+        p.error("--profile-steps must be >= 0")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (the first step pays one-time setup costs)")
+    return args
+
+
+def main(default_suite: str = "zero12", description: Optional[str] = None) -> None:
+    args = parse_args(default_suite=default_suite, description=description)
+    if args.variant:
+        from rank import run_variant
+
+        run_variant(args)
+    else:
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()

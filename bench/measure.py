@@ -1,0 +1,228 @@
+"""What one rank measures while it trains, and the per-rank result file it writes.
+
+Measured per rank (no barrier in the timed loop): tokens/s from ``time.perf_counter`` at ``on_train_batch_start``
+of the first timed step to ``on_train_batch_end`` of the last; optimizer-state and model-state bytes from the
+tensors the rank holds (unique storages, so padding inside a storage counts); peak RSS (``VmHWM``, read at the end
+of the timed steps); bytes on the wire per optimizer step per rank (see ``wire.py``).
+
+Model state per rank = parameters + gradients + optimizer state (+ fp32 master / accumulators) actually held,
+taken in ``on_before_optimizer_step`` of the last timed step (gradients reduced, before the update; the snapshot's
+own time is taken out of the timing):
+lightning_shard ``engine.memory_report()`` minus ``gathered_params`` (transient full parameters); FSDP2: the local
+shards (``DTensor.to_local()``) of the parameters, of their gradients and of the optimizer state; DDP / ZeRO-R: the
+parameter, ``.grad`` and optimizer tensors (DDP's reducer bucket buffers are not counted).
+
+Engine phases (lightning_shard variants): the ``torch.profiler`` labels ``lightning_shard.<phase>`` the engine
+emits, summed over ``--profile-steps`` extra steps run after the timed ones (the profiler's overhead stays out of
+the timed steps), reported as seconds per step under the engine's method names (``post_backward``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from variants import OURS, model_param_bytes
+from wire import Counters, counting_allreduce_hook, wire_per_step
+
+# JSON keys of ``engine_s_per_step``: the ShardEngine methods; their profiler label drops the leading underscore
+ENGINE_PHASES = ("pre_backward", "post_backward", "prepare_step", "finish_step", "_leave_out_unused")
+
+
+# ============================================================================================ memory
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), falling back to getrusage."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local shard; any other tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the storages behind ``tensors`` (DTensors: their local shard), each storage counted once."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        if torch.is_tensor(t):
+            s = t.untyped_storage()
+            seen[s.data_ptr() or id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(*states: Any) -> int:
+    """Bytes of the tensors in optimizer ``state`` dicts, each storage counted once (DTensors: local part)."""
+    return storage_bytes(v for state in states for st in state.values() for v in st.values())
+
+
+def held_model_state(trainer: Any, variant: str) -> dict[str, int]:
+    """Params + grads + optimizer state (+ master/accumulators) this rank holds, in bytes; ``total`` sums them."""
+    if variant in OURS:
+        rep = trainer.strategy.engine.memory_report()
+        out = {k: int(v) for k, v in rep.items() if k not in ("total", "padding_elements", "gathered_params")}
+        out["total"] = sum(out.values())
+        out["gathered_params_excluded"] = int(rep.get("gathered_params", 0))
+        out["padding_elements"] = int(rep.get("padding_elements", 0))
+        return out
+    params = list({id(p): p for p in trainer.lightning_module.parameters()}.values())
+    opt = trainer.optimizers[0]
+    states = (opt.optim.state, opt.state) if variant == "zero_r" else (opt.state,)
+    out = {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+           "optimizer_state": state_bytes(*states)}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ============================================================================================ engine phases
+def profiled_steps(args: argparse.Namespace, variant: str) -> int:
+    """Steps run after the timed ones under the profiler: only the lightning_shard variants have engine phases."""
+    return args.profile_steps if variant in OURS else 0
+
+
+class EnginePhaseProfile:
+    """Seconds per step inside each engine phase, from its ``torch.profiler`` label, over a window of steps."""
+
+    def __init__(self) -> None:
+        self.prof: Any = None
+
+    def start(self) -> None:
+        import torch
+
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.prof.start()
+
+    def stop(self, steps: int) -> dict[str, float]:
+        self.prof.stop()
+        total_us = {e.key: e.cpu_time_total for e in self.prof.key_averages()}  # inclusive CPU time, all calls
+        self.prof = None
+        labels = {name: "lightning_shard." + name.lstrip("_") for name in ENGINE_PHASES}
+        return {name: total_us[label] / 1e6 / steps for name, label in labels.items() if label in total_us}
+
+    def close(self) -> None:
+        """Stop a profiler still running (training ended early): one left running crashes the interpreter's exit."""
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+
+
+# ============================================================================================ callback
+def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
+    import lightning.pytorch as pl
+
+    from lightning_shard.core.collectives import LEDGER
+
+    first, last = args.warmup, args.warmup + args.steps - 1
+    n_profiled = profiled_steps(args, variant)
+
+    class Meter(pl.Callback):
+        def __init__(self) -> None:
+            self.step_times: list[float] = []
+            self.phase = {"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0}
+            self.losses: list[float] = []
+            self.t_span0 = self.t_span1 = 0.0
+            self.engine_s_per_step: dict[str, float] = {}
+            self.profile = EnginePhaseProfile()
+            self.n_batches = 0  # batches started, all epochs (the profiled steps can run in a second epoch)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            if variant in ("ddp", "zero_r") and args.comm_hook:
+                trainer.strategy.model.register_comm_hook(counters, counting_allreduce_hook)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.step, self.n_batches = self.n_batches, self.n_batches + 1
+            if self.step == first:
+                self.ledger_mark = LEDGER.mark()
+                self.counters0 = counters.snapshot()
+                self.t_span0 = time.perf_counter()
+            if self.step == last + 1 and n_profiled:
+                self.profile.start()
+            self.t0 = self.t_mark = time.perf_counter()
+
+        def _lap(self, name: str) -> None:
+            now = time.perf_counter()
+            if first <= self.step <= last:
+                self.phase[name] += now - self.t_mark
+            self.t_mark = now
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self._lap("forward")
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            self._lap("backward_and_grad_sync")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if self.step == last:  # gradients reduced, optimizer state exists: the model state to report
+                t = time.perf_counter()
+                self.model_state = held_model_state(trainer, variant)
+                dt = time.perf_counter() - t
+                self.t0 += dt  # the snapshot is not part of the timed step
+                self.t_span0 += dt
+            self.t_mark = time.perf_counter()  # clipping etc. (none here) excluded
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self._lap("optimizer_and_param_sync")
+            now = time.perf_counter()
+            step = self.step
+            if step <= last:  # the profiled steps after the timed ones are not part of the run's losses
+                self.losses.append(float(outputs["loss"]))
+            if first <= step <= last:
+                self.step_times.append(now - self.t0)
+            if step == last:
+                self.t_span1 = now
+                self.entries = LEDGER.since(self.ledger_mark)
+                self.counters1 = counters.snapshot()
+                self.peak_rss = peak_rss_bytes()  # before the profiled window (the profiler holds its events)
+            if n_profiled and step == last + n_profiled:
+                self.engine_s_per_step = self.profile.stop(n_profiled)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.profile.close()
+            write_rank_result(args, variant, trainer, self)
+
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            self.profile.close()
+
+    return Meter()
+
+
+# ============================================================================================ per-rank result
+def write_rank_result(args: argparse.Namespace, variant: str, trainer: Any, meter: Any) -> None:
+    import torch
+
+    rank, n = trainer.global_rank, args.steps
+    tokens_per_step = args.batch_size * args.block_size
+    span = meter.t_span1 - meter.t_span0
+    model_state = getattr(meter, "model_state", None) or held_model_state(trainer, variant)
+    param_bytes = model_param_bytes(args)
+    out = {
+        "variant": variant, "rank": rank, "world": trainer.world_size, "timed_steps": n,
+        "tokens_per_step": tokens_per_step,
+        "span_s": span, "tokens_per_s": n * tokens_per_step / span if span > 0 else float("nan"),
+        "median_step_s": sorted(meter.step_times)[len(meter.step_times) // 2] if meter.step_times else None,
+        "step_times_s": meter.step_times,
+        "phase_s_per_step": {k: v / n for k, v in meter.phase.items()},
+        "engine_s_per_step": meter.engine_s_per_step,
+        "optimizer_state_bytes": model_state["optimizer_state"], "model_state": model_state,
+        "param_bytes": param_bytes, "peak_rss_bytes": getattr(meter, "peak_rss", None) or peak_rss_bytes(),
+        **wire_per_step(args, variant, trainer, meter.entries, meter.counters0, meter.counters1, param_bytes),
+        "losses": meter.losses, "torch_threads": torch.get_num_threads(),
+    }
+    path = Path(args.rank_out).with_suffix(f".rank{rank}.json")
+    path.write_text(json.dumps(out, indent=1))

@@ -1,0 +1,123 @@
+"""The benchmark's variants: which suite holds which, what each is, and the module + strategy that run it.
+
+Every variant trains the project's recipe GPT (``recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm
+blocks ``recipes.gpt.Block``, no dropout) under AdamW; only the strategy (and for ``zero_r`` the optimizer,
+for ``fsdp2`` a ``configure_model``) differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask")  # ShardEngine + LEDGER
+STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask")  # ours, parameters sharded (3 passes of parameter bytes per step)
+SUITES = {
+    "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
+    "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
+    "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
+}
+VARIANTS = tuple(dict.fromkeys(v for vs in SUITES.values() for v in vs))
+NOTES = {
+    "zero0": "lightning_shard stage 0: bucketed all-reduce, replicated AdamW",
+    "zero1": "lightning_shard: reduce-scatter grads, sharded AdamW, all-gather params",
+    "zero2": "as zero1, full grads freed after reduce-scatter",
+    "ddp": "Lightning DDPStrategy (baseline)",
+    "zero_r": "torch ZeroRedundancyOptimizer(AdamW) under Lightning DDP: all-reduce + per-param broadcasts",
+    "zero3": "lightning_shard Zero3Strategy: every module with parameters is a unit",
+    "fsdp_shard": "lightning_shard FSDPShardStrategy(wrap_classes=[GPT block]): one unit per block + root",
+    "fsdp2": "torch FSDP2 fully_shard per block + root, Lightning ModelParallelStrategy (dp=N, tp=1, gloo)",
+    "zero2_nomask": "zero2 with find_unused_parameters=False (no used-mask all-reduce)",
+    "zero3_nomask": "zero3 with find_unused_parameters=False (no used-mask all-reduce)",
+}
+
+
+# ============================================================================================ model
+def build_model(args: argparse.Namespace):
+    """The recipe GPT at the benchmark's sizes (tied embedding, dropout 0)."""
+    from recipes.gpt import GPT
+
+    return GPT(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+               n_embd=args.n_embd, dropout=0.0, tie_weights=True)
+
+
+def model_param_count(args: argparse.Namespace) -> int:
+    """Parameters (tied weight once), from a meta-device copy: no memory, independent of sharding."""
+    import torch
+
+    with torch.device("meta"):
+        return build_model(args).num_parameters()
+
+
+def model_param_bytes(args: argparse.Namespace) -> int:
+    """Psi in bytes (fp32)."""
+    return 4 * model_param_count(args)
+
+
+def make_module(args: argparse.Namespace, variant: str):
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class BenchModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(args)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self.model(x)
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+        def configure_optimizers(self):
+            decay = [p for p in self.parameters() if p.dim() >= 2]
+            rest = [p for p in self.parameters() if p.dim() < 2]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+            hp = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+            if variant == "zero_r":
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                zr = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                             weight_decay=0.1, **hp)
+                zr.add_param_group(groups[1])
+                return zr
+            return torch.optim.AdamW(groups, **hp)
+
+    if variant != "fsdp2":
+        return BenchModule()
+
+    class FSDP2Module(BenchModule):
+        """ModelParallelStrategy requires ``configure_model``: FSDP2 on each block, then on the GPT root."""
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self.model, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return FSDP2Module()
+
+
+def make_strategy(args: argparse.Namespace, variant: str) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    import lightning_shard  # noqa: F401  (registers the strategy names)
+    from lightning_shard.strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy
+    from recipes.gpt import Block
+
+    if variant in ("ddp", "zero_r"):
+        return DDPStrategy(process_group_backend="gloo")
+    if variant == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
+                                     process_group_backend="gloo", save_distributed_checkpoint=True)
+    if variant in ("zero3", "zero3_nomask"):
+        return Zero3Strategy(accumulation="auto", find_unused_parameters=variant == "zero3")
+    if variant == "fsdp_shard":
+        return FSDPShardStrategy(wrap_classes=[Block], accumulation="auto")
+    cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
+           "zero2_nomask": Zero2Strategy}[variant]
+    return cls(bucket_mb=args.bucket_mb, accumulation="defer", find_unused_parameters=variant != "zero2_nomask")

@@ -1,0 +1,48 @@
+"""bench/ still runs end to end: one zero12 table (zero2 + ddp) at the smallest sizes, in a subprocess.
+
+Checks the JSON keys the Markdown writers and ``bench/results`` readers rely on, nonzero measured wire bytes
+(lightning_shard's LEDGER for zero2, the DDP comm hook for ddp), and the engine phase times read from the profiled
+window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--variants", "zero2", "ddp", "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--n-layer", "1",
+        "--n-head", "2", "--n-embd", "32", "--vocab", "256", "--block-size", "16", "--batch-size", "1",
+        "--repeats", "1", "--timeout", "120"]
+
+
+def test_bench_zero12_smoke(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_zero12.py"), *TINY, "--out-dir", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "zero12.json").read_text())
+    assert set(doc) == {"suite", "machine", "command", "wall_s", "results"}
+    assert doc["machine"]["profile_steps"] == 1
+    res = doc["results"]
+    assert list(res) == ["zero2", "ddp"]
+    for v, r in res.items():
+        assert "error" not in r, r.get("log_tail")
+        for key in ("tokens_per_s_mean", "ratio_vs_ddp", "optimizer_state_mib_per_rank", "peak_rss_mib_max",
+                    "wire_mib_per_step_per_rank", "wire_formula_mib_per_step", "wire_source", "wire_detail_rank0",
+                    "phase_s_per_step_rank0", "engine_s_per_step_rank0", "model_state_rank0", "final_loss_rank0",
+                    "median_step_s_per_rank", "repeats"):
+            assert key in r, (v, key)
+        assert r["wire_mib_per_step_per_rank"] > 0, v
+        assert r["wire_source"].startswith("measured"), v
+        assert len(r["losses_rank0"]) == 2, v  # warmup + timed steps only, not the profiled one
+    ledger = res["zero2"]["wire_detail_rank0"]["ledger"]
+    assert ledger and sum(e["wire_bytes"] for e in ledger.values()) > 0
+    assert {"post_backward", "finish_step"} <= set(res["zero2"]["engine_s_per_step_rank0"])
+    assert res["ddp"]["engine_s_per_step_rank0"] == {}
+    assert res["ddp"]["wire_detail_rank0"]["allreduce_bytes_per_step"] > 0
+    md = (tmp_path / "zero12.md").read_text()
+    assert "| variant | tokens/s (rank mean) | vs DDP |" in md and "profiled step(s)" in md
