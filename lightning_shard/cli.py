@@ -32,7 +32,8 @@ SUMMARIES = {
 def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The parser; `load`: the subcommands whose modules are imported (default: all), the others are listed only."""
     wanted = set(SUBCOMMANDS) if load is None else set(load)
-    parser = argparse.ArgumentParser(prog="lightning-shard", description="ZeRO / FSDP-style sharding for Lightning: tools")
+    parser = argparse.ArgumentParser(prog="lightning-shard",
+                                     description="ZeRO / FSDP-style sharding for Lightning: tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         if name in wanted:

@@ -69,7 +69,8 @@ def _accepted(target: Any) -> tuple[Optional[list[str]], dict[str, Any]]:
 def check_target_node(node: Mapping[str, Any], key: str, provided: tuple[str, ...] = ()) -> Any:
     """Import ``node['_target_']`` and check the other keys are its keywords, with sane types."""
     if not isinstance(node, Mapping) or "_target_" not in node:
-        raise ConfigError(f"{key} needs a _target_ (the class to build), e.g. {key}._target_=recipes.gpt.GPTLightningModule")
+        raise ConfigError(f"{key} needs a _target_ (the class to build), e.g. "
+                          f"{key}._target_=recipes.gpt.GPTLightningModule")
     target = import_target(node["_target_"], f"{key}._target_")
     valid, defaults = _accepted(target)
     for name, value in node.items():
@@ -86,7 +87,8 @@ def check_target_node(node: Mapping[str, Any], key: str, provided: tuple[str, ..
         if isinstance(default, (int, float)) and not isinstance(default, bool) and (
                 isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"{key}.{name}={value!r} must be a number like its default {default!r}")
-        if isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float) and not value.is_integer():
+        if (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
+                and not value.is_integer()):
             raise ConfigError(f"{key}.{name}={value!r} must be an integer (default {default!r})")
         if isinstance(default, str) and not isinstance(value, str):
             raise ConfigError(f"{key}.{name}={value!r} must be a string (default {default!r})")

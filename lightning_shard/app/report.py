@@ -81,8 +81,10 @@ def plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
     labels = [label(r) for r in rows]
     panels = [("throughput (tokens/s, all ranks)", [r.get("tokens_per_s") or 0.0 for r in rows]),
-              ("model-state memory per rank (MiB)", [((r.get("memory") or {}).get("total") or 0) / 2**20 for r in rows]),
-              ("wire bytes per optimizer step per rank (MiB)", [(r.get("wire_bytes_per_step") or 0) / 2**20 for r in rows])]
+              ("model-state memory per rank (MiB)",
+               [((r.get("memory") or {}).get("total") or 0) / 2**20 for r in rows]),
+              ("wire bytes per optimizer step per rank (MiB)",
+               [(r.get("wire_bytes_per_step") or 0) / 2**20 for r in rows])]
     fig, axes = plt.subplots(1, 3, figsize=(max(9, 1.4 * len(rows) * 3), 4.2))
     for ax, (title, values) in zip(axes, panels):
         bars = ax.bar(range(len(values)), values, color="#4c72b0")

@@ -130,7 +130,8 @@ class Bucket:
 
     def _what(self) -> str:
         unit = getattr(self.unit, "name", None)
-        return f"unit {unit!r} (bucket {self.index}: {self.names[0]}...)" if unit else f"bucket {self.index} ({self.names[0]}...)"
+        return (f"unit {unit!r} (bucket {self.index}: {self.names[0]}...)" if unit else
+                f"bucket {self.index} ({self.names[0]}...)")
 
     def wait_unshard(self) -> None:
         if self.param_state is ParamState.SHARDED:
@@ -176,7 +177,8 @@ class Bucket:
         for p, view in zip(self.params, self.grad_views):
             g = p.grad
             if g is None:
-                if not self.spec.shards_params:  # stages 0-2: the user cleared this gradient (zero_grad(set_to_none=True))
+                if not self.spec.shards_params:  # stages 0-2: the user cleared this gradient
+                    # (zero_grad(set_to_none=True))
                     view.zero_()  # stage 3 detaches .grad at every reshard: the buffer is the truth
                 p.grad = view
             elif g.data_ptr() != view.data_ptr():

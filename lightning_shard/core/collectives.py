@@ -113,7 +113,8 @@ class Ledger:
         with self._lock:
             self._entries = deque(self._entries, maxlen=n)
 
-    def record(self, op: str, group: Group, tensor: torch.Tensor, tag: str = "", full_numel: Optional[int] = None) -> None:
+    def record(self, op: str, group: Group, tensor: torch.Tensor, tag: str = "",
+               full_numel: Optional[int] = None) -> None:
         numel = tensor.numel() if full_numel is None else full_numel
         self.record_bytes(op, group, numel * tensor.element_size(), tag, str(tensor.dtype).replace("torch.", ""))
 

@@ -129,7 +129,8 @@ class ShardEngine:
     def find_nonfinite(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """Name of the first parameter with a non-finite gradient on any rank (agreed on every rank), or None."""
         rank = self.rank if self.total_world == self.world else C.get_rank()
-        return health.find_nonfinite(self.binding_for(optimizer).buckets, rank, self.total_world, self.buckets[0].device)
+        return health.find_nonfinite(self.binding_for(optimizer).buckets, rank, self.total_world,
+                                     self.buckets[0].device)
 
     # ------------------------------------------------------------------ buckets (plan.py)
     def _param_owners(self) -> dict[int, Owner]:
@@ -174,7 +175,8 @@ class ShardEngine:
                 raise RuntimeError(
                     f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
                     "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
-                    "backward, or wrap earlier micro-batches in strategy.block_backward_sync()/toggle_model(sync_grad=False)."
+                    "backward, or wrap earlier micro-batches in "
+                    "strategy.block_backward_sync()/toggle_model(sync_grad=False)."
                 )
             if self.spec.shards_params:  # parameters are sharded now: views attach when the unit is gathered
                 b.pending = len(b.params)
@@ -270,7 +272,8 @@ class ShardEngine:
         return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.group,
                                self.spec.reduce_scatters and self.world > 1, norm_type)
 
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
         total = self.grad_norm(optimizer, norm_type)
         self.last_grad_norm = float(total)
         grads.scale_to_norm(self._shard_grads(optimizer), total, max_norm)
@@ -290,7 +293,8 @@ class ShardEngine:
         return state_dict.gather_full(self.module, self.buckets, self.group)
 
     def load_full(self, state: dict[str, torch.Tensor], masters_only: bool = False) -> list[str]:
-        """Load full tensors by name into shards and fp32 masters; the names not found (:func:`.state_dict.load_full`)."""
+        """Load full tensors by name into shards and fp32 masters; the names not found
+        (:func:`.state_dict.load_full`)."""
         return state_dict.load_full(self.module, self.buckets, state, masters_only)
 
     # ------------------------------------------------------------------ accounting and teardown

@@ -17,7 +17,8 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, group: Optional[C
               norm_type: float = 2.0) -> torch.Tensor:
     """Global gradient norm of ``grads`` (this rank's shards); ``sharded``: sum over the ranks of ``group``."""
     if math.isinf(norm_type):
-        local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.zeros((), device=device))
+        local = max((g.detach().abs().max().float() for g in grads if g.numel()),
+                    default=torch.zeros((), device=device))
         total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
         if sharded:
             C.all_reduce(total, op="max", group=group, tag="grad_norm")

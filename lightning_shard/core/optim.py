@@ -85,7 +85,8 @@ class OptimizerBinding:
             meta = {slot: {k: (None if _is_piece(v, b, slot) else v) for k, v in st.items()}
                     for slot, st in mine.items() if b.own_lo + b.slot_ranges[slot][0] == b.layout.slots[slot].offset}
             merged: dict[int, dict[str, Any]] = {}
-            for theirs in (C.all_gather_object(meta, b.group, tag="optimizer_state") if b.spec.reduce_scatters else [meta]):
+            for theirs in (C.all_gather_object(meta, b.group, tag="optimizer_state") if b.spec.reduce_scatters else
+                           [meta]):
                 merged.update(theirs)
             keys = sorted({k for st in merged.values() for k, v in st.items() if v is None})
             flats = {k: _gather_flat(b, _owned_flat(b, mine, k)) for k in keys}

@@ -161,7 +161,8 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         same code there) and made part of the plan; refused afterwards: whether the other ranks issue the same
         gather now cannot be known, and if they do not, the collectives mismatch (a crash or a hang)."""
         if any(u.state is ParamState.SHARDED for u in unit.group):
-            discovering = self._discover_backward if backward else (self._pass is None or self._discover[self._pass.grad])
+            discovering = self._discover_backward if backward else (self._pass is None or
+                                                                    self._discover[self._pass.grad])
             if not discovering:
                 raise RuntimeError(
                     f"rank {C.get_rank()}: lightning_shard must gather unit {unit.name!r} outside the schedule the "

@@ -23,7 +23,8 @@ class LossScaler:
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1 and self.growth_interval > 0):
-            raise ValueError("LossScaler needs scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0")
+            raise ValueError("LossScaler needs scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                             "growth_interval > 0")
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

@@ -51,7 +51,8 @@ def _matches(module: nn.Module, classes: tuple) -> bool:
     for c in classes:
         if isinstance(c, type) and isinstance(module, c):
             return True
-        if isinstance(c, str) and c in (type(module).__name__, f"{type(module).__module__}.{type(module).__qualname__}"):
+        if isinstance(c, str) and c in (type(module).__name__,
+                                        f"{type(module).__module__}.{type(module).__qualname__}"):
             return True
     return False
 
@@ -125,7 +126,8 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
             if not n:
                 if classes and _matches(m, classes):
                     raise ValueError(f"wrap policy {list(map(str, classes))} matches the root module "
-                                     f"{type(m).__name__} itself: wrap its blocks instead (e.g. the transformer block class)")
+                                     f"{type(m).__name__} itself: wrap its blocks instead "
+                                     "(e.g. the transformer block class)")
                 continue
             if (classes and _matches(m, classes)) or \
                     (min_params is not None and sum(numel(p) for p in m.parameters()) >= min_params

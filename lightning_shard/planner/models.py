@@ -47,7 +47,8 @@ def from_recipe(name: str) -> nn.Module:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(recipe_names())} (or give shape arguments: "
                          "--params 7e9, or --layers 32 --hidden 4096 --seq 4096)")
     m = yaml.safe_load(path.read_text())["model"]
-    seq = m["block_size"] if isinstance(m["block_size"], int) else yaml.safe_load(path.read_text())["data"]["block_size"]
+    seq = (m["block_size"] if isinstance(m["block_size"], int) else
+           yaml.safe_load(path.read_text())["data"]["block_size"])
     return build_gpt(m["n_layer"], m["n_embd"], m["n_head"], seq, m["vocab_size"])
 
 

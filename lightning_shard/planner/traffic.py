@@ -104,7 +104,8 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
     for oi in range(num_optimizers):
         mine = [b for b in layout.trainable if b.opt_index == oi]
         if job.find_unused_parameters and N > 1:
-            out.append(Collective("all_reduce", "world", N, sum(b.num_params for b in mine), "used_mask", "step", last))  # uint8
+            out.append(Collective("all_reduce", "world", N, sum(b.num_params for b in mine),
+                                  "used_mask", "step", last))  # uint8
         if job.loss_scaling and N > 1:
             out.append(Collective("all_reduce", "world", N, 4, "found_inf", "step", last))
         if job.clip and layout.stage > 0 and S > 1:

@@ -16,8 +16,10 @@ REGISTERED = {
     "fsdp_shard": (FSDPShardStrategy, "FSDP-style units: blocks held in nn.ModuleLists become units",
                    {"wrap_classes": "auto"}),
     # hybrid presets: shard inside each island of the detected machine, replicate across islands
-    "zero2_hybrid": (Zero2Strategy, "ZeRO-2 inside islands, replicated across", {"shard_size": "auto", "topology": "detect"}),
-    "zero3_hybrid": (Zero3Strategy, "ZeRO-3 inside islands, replicated across", {"shard_size": "auto", "topology": "detect"}),
+    "zero2_hybrid": (Zero2Strategy, "ZeRO-2 inside islands, replicated across",
+                     {"shard_size": "auto", "topology": "detect"}),
+    "zero3_hybrid": (Zero3Strategy, "ZeRO-3 inside islands, replicated across",
+                     {"shard_size": "auto", "topology": "detect"}),
     "fsdp_shard_hybrid": (FSDPShardStrategy, "FSDP-style units inside islands, replicated across",
                           {"wrap_classes": "auto", "shard_size": "auto", "topology": "detect"}),
     # Lightning reserves "auto" for its own default strategy: the Hydra option strategy=auto maps here

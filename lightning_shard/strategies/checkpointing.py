@@ -96,7 +96,8 @@ def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strateg
             for key, (lo, hi) in idx.items():
                 merged.setdefault(key, []).append([rank, lo, hi])
         write_trainer_state(data, plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS}))
-        meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name, accumulate_grad_batches=accumulate,
+        meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name,
+                    accumulate_grad_batches=accumulate,
                     files=[rank_file(r) for r in range(C.get_world_size())],
                     versions={"torch": torch.__version__, "lightning_shard": _version()})
         commit(root, final, meta, data.name)

@@ -143,7 +143,8 @@ class ZeroConfig:
         parse_reduce_dtype(self.reduce_dtype)  # also takes torch dtypes and long names ("bfloat16")
         validate_shard_size(self.shard_size)
         if self.shard_size is not None and stage == 0:
-            raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: drop shard_size, "
+            raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: "
+                             "drop shard_size, "
                              "or use zero2/zero3 with shard_size for hybrid sharding")
         if not _is_mib(self.optim_chunk_mb):
             raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {self.optim_chunk_mb!r}")

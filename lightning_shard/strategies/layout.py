@@ -62,7 +62,8 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
         shard_groups, replicate_groups = layout.shard_groups, layout.replicate_groups
     else:
         if world % shard_size:
-            raise ValueError(f"shard_size={shard_size} does not divide the world size {world} ({world} % {shard_size} = "
+            raise ValueError(f"shard_size={shard_size} does not divide the world size {world} "
+                             f"({world} % {shard_size} = "
                              f"{world % shard_size}); use one of {[d for d in range(1, world + 1) if world % d == 0]}")
         shard_groups = tuple(tuple(range(s, s + shard_size)) for s in range(0, world, shard_size))
         replicate_groups = tuple(tuple(range(k, world, shard_size)) for k in range(shard_size))

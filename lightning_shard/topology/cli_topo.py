@@ -39,7 +39,8 @@ def register(sub: Any) -> None:
                    "PCIe generations default to that model's (H100/H200: PCIe Gen5, A100: Gen4, V100: Gen3)")
     p.add_argument("--nvlink-gen", type=int, default=None,
                    help="NVLink generation for --file (1-5; default: the --model's, else 4)")
-    p.add_argument("--pcie-gen", type=int, default=None, help="PCIe generation for --file (3-5; default: the --model's, else 4)")
+    p.add_argument("--pcie-gen", type=int, default=None,
+                   help="PCIe generation for --file (3-5; default: the --model's, else 4)")
     p.add_argument("--gpus", type=int, metavar="K", help="also pick the K devices with the fastest ring")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=run)
@@ -62,7 +63,8 @@ def load(args: argparse.Namespace) -> Topology:
         if args.pcie_gen is None and generations_for(model)[1] is None and topo.link_classes() & _PCIE:
             why = (f"--model {model!r} is not a GPU whose PCIe generation we know" if model else
                    "a capture does not name its GPUs")
-            topo.warnings.append(f"PCIe gen {topo.fabric.pcie_gen} assumed ({PCIE_X16_GBPS[topo.fabric.pcie_gen]:g} GB/s "
+            topo.warnings.append(f"PCIe gen {topo.fabric.pcie_gen} assumed "
+                                 f"({PCIE_X16_GBPS[topo.fabric.pcie_gen]:g} GB/s "
                                  f"per direction): {why}; pass --pcie-gen, or --model (e.g. --model 'H100 NVL')")
         return topo
     return detect()
@@ -99,7 +101,8 @@ def header(topo: Topology) -> str:
         return head + f" CPU process{'es' if n != 1 else ''} (no GPU)"
     classes = topo.link_classes()
     links = ([f"NVLink gen {f.nvlink_gen}"] if classes & {LinkClass.NVLINK, LinkClass.NVSWITCH} else []) + \
-        ([f"PCIe gen {f.pcie_gen}"] if classes & _PCIE else []) + ([f"network {f.network}"] if topo.num_nodes > 1 else [])
+        ([f"PCIe gen {f.pcie_gen}"] if classes & _PCIE else []) + \
+        ([f"network {f.network}"] if topo.num_nodes > 1 else [])
     models = sorted({d.model for d in topo.devices if d.model})
     return head + (f" x {', '.join(models)}" if models else "") + ("  " + ", ".join(links) if links else "")
 

@@ -67,7 +67,8 @@ def visible_order(env: Mapping[str, str], uuids: Sequence[str]) -> list[int]:
             if k < 0:
                 break  # CUDA stops at a negative entry
             if k >= len(uuids):
-                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} names no GPU: this machine (or container) shows "
+                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} names no GPU: "
+                                 "this machine (or container) shows "
                                  f"{len(uuids)} GPUs, indices 0..{len(uuids) - 1}")
         else:
             raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r}: expected an index or GPU-<uuid>")

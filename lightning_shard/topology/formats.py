@@ -79,7 +79,8 @@ def parse_rocm_smi(text: str, source: str = "<text>", name: str | None = None,
         text_k = lines[k - 1].strip() if k - 1 < len(lines) else "end of input"
         cells = text_k.split()
         if len(cells) != n + 1 or cells[0] != f"GPU{i}":
-            raise TopologyParseError(f"expected row GPU{i} with {n} cells, found {text_k[:60]!r}", line=k, source=source)
+            raise TopologyParseError(f"expected row GPU{i} with {n} cells, found {text_k[:60]!r}",
+                                     line=k, source=source)
         row = []
         for j, cell in enumerate(cells[1:]):
             if i == j:

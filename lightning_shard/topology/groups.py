@@ -64,7 +64,8 @@ def best_subset(topology: Topology, k: int, node: int = 0) -> Subset:
     """The k devices of `node` with the fastest bottleneck ring (ties: fewer islands, one NUMA node, low ids)."""
     pool = [d.index for d in topology.devices if d.node == node]
     if not 1 <= k <= len(pool):
-        raise ValueError(f"cannot pick {k} devices: {topology.name} has {len(pool)} devices on node {node} (1..{len(pool)})")
+        raise ValueError(f"cannot pick {k} devices: {topology.name} has {len(pool)} devices on node {node} "
+                         f"(1..{len(pool)})")
     if comb(len(pool), k) <= _BRUTE_FORCE_SUBSETS:
         candidates: Sequence[Sequence[int]] = list(combinations(pool, k))
     else:  # large boxes (DGX-2): the first k of each island's ring, and the island-ordered prefix
@@ -126,17 +127,20 @@ def build_layout(topology: Topology, world_size: int, nodes: int = 1, devices: S
             if nodes == 1 and len(islands) == 1:
                 raise ValueError(
                     f"hybrid sharding needs at least 2 islands, but devices {order} of {topology.name} form one "
-                    f"{topo.islands[topo.island_index(order[0])].link.value} island: use full sharding (zero3 / fsdp_shard) "
+                    f"{topo.islands[topo.island_index(order[0])].link.value} island: "
+                    "use full sharding (zero3 / fsdp_shard) "
                     f"instead, or pass shard_size=<divisor of {world_size}> to force groups")
             if len(set(islands)) != 1:
                 raise ValueError(f"hybrid sharding needs equal islands, but devices {order} form islands of sizes "
-                                 f"{islands}: pass shard_size=<one of {divisors(world_size)}> or choose devices in equal islands")
+                                 f"{islands}: pass shard_size=<one of {divisors(world_size)}> "
+                                 "or choose devices in equal islands")
             shard_size = islands[0] if len(islands) > 1 else local
         else:
             shard_size = world_size
     if shard_size < 1 or world_size % shard_size:
         raise ValueError(f"shard group size {shard_size} does not divide world size {world_size} ({world_size} % "
-                         f"{shard_size} = {world_size % shard_size if shard_size else 'n/a'}): use one of {divisors(world_size)}")
+                         f"{shard_size} = {world_size % shard_size if shard_size else 'n/a'}): "
+                         f"use one of {divisors(world_size)}")
     shard = tuple(tuple(range(s, s + shard_size)) for s in range(0, world_size, shard_size))
     repl = tuple(tuple(range(k, world_size, shard_size)) for k in range(shard_size))
     cvd = tuple(",".join(str(visible_id(topo.devices[d])) for d in order) for _ in range(nodes))

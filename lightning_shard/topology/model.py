@@ -87,7 +87,8 @@ class Topology:
         """A one-node topology from an n x n matrix of topo -m tokens (X, NV#, PIX, ..., N/A)."""
         fabric = fabric or Fabric()
         n = len(tokens)
-        devs = list(devices) if devices is not None else [Device(index=i, name=f"GPU{i}", local_index=i) for i in range(n)]
+        devs = list(devices) if devices is not None else [Device(index=i, name=f"GPU{i}", local_index=i)
+                                                          for i in range(n)]
         if len(devs) != n or any(len(row) != n for row in tokens):
             raise ValueError(f"{name}: a topology matrix must be {len(devs)} x {len(devs)}; got rows of "
                              f"{[len(r) for r in tokens]}")
@@ -104,7 +105,8 @@ class Topology:
         warnings: list[str] = []
         _mark_switched(classes, devs, warnings)
         links = [[fabric.link(c, k, tokens[i][j]) for j, (c, k) in enumerate(row)] for i, row in enumerate(classes)]
-        topo = cls(name=name, devices=devs, links=links, fabric=fabric, source=source, nics=list(nics), warnings=warnings)
+        topo = cls(name=name, devices=devs, links=links, fabric=fabric, source=source, nics=list(nics),
+                   warnings=warnings)
         topo.warnings.extend(_fabric_warnings(topo, expect_nvlink))
         return topo
 
@@ -120,7 +122,8 @@ class Topology:
         net = self.fabric.link(LinkClass.NETWORK, token="NET", gpus_per_node=per)
         links = [[self.links[i % per][j % per] if i // per == j // per else net for j in range(per * nodes)]
                  for i in range(per * nodes)]
-        return Topology(f"{self.name}x{nodes}", out_devs, links, self.fabric, self.source, self.nics, list(self.warnings))
+        return Topology(f"{self.name}x{nodes}", out_devs, links, self.fabric, self.source, self.nics,
+                        list(self.warnings))
 
     def subset(self, indices: Sequence[int], name: str | None = None) -> "Topology":
         """The topology a job sees when only `indices` are visible, renumbered 0..k-1 in that order."""
@@ -169,7 +172,8 @@ class Topology:
             members = tuple(sorted(comp))
             fast = [self.links[a][b].cls for a in members for b in members if a < b and self.links[a][b].cls.is_fast]
             ring_gbps, order = best_ring(members, self.gbps)
-            out.append(Island(members, d.node, max(fast, key=lambda c: c.rank) if fast else LinkClass.SELF, ring_gbps, order))
+            out.append(Island(members, d.node, max(fast, key=lambda c: c.rank) if fast else LinkClass.SELF,
+                              ring_gbps, order))
         return out
 
     def island_index(self, device: int) -> int:
@@ -194,7 +198,8 @@ class Topology:
                        "pcie_gen": self.fabric.pcie_gen if gpus else None, "network": self.fabric.network},
             "devices": [
                 {"index": d.index, "name": d.name, "node": d.node, "local_index": d.local_index, "kind": d.kind,
-                 "model": d.model, "pci_bus_id": d.pci_bus_id, "uuid": d.uuid, "numa": d.numa, "cpu_affinity": d.cpu_affinity}
+                 "model": d.model, "pci_bus_id": d.pci_bus_id, "uuid": d.uuid, "numa": d.numa,
+                 "cpu_affinity": d.cpu_affinity}
                 for d in self.devices
             ],
             "matrix": [[lk.cls.value for lk in row] for row in self.links],
@@ -227,7 +232,8 @@ def _mark_switched(classes: list[list[tuple[LinkClass, int]]], devs: Sequence[De
                 inferred += classes[i][j][0] is LinkClass.UNKNOWN
                 classes[i][j] = (LinkClass.NVSWITCH, count)
     if inferred:
-        warnings.append(f"{inferred // 2} GPU pairs missing from the capture were taken as NV{count} through the NVSwitch fabric")
+        warnings.append(f"{inferred // 2} GPU pairs missing from the capture were taken as NV{count} "
+                        "through the NVSwitch fabric")
 
 
 def _fabric_warnings(topo: Topology, expect_nvlink: bool) -> list[str]:
@@ -242,7 +248,8 @@ def _fabric_warnings(topo: Topology, expect_nvlink: bool) -> list[str]:
     peers = [topo.devices[i].name for i in range(n) if has_fast[i]]
     for i in range(n):
         if not has_fast[i]:
-            why = "the preset expects NVLink on every GPU" if expect_nvlink else f"its peers {', '.join(peers)} have NVLink"
+            why = ("the preset expects NVLink on every GPU" if expect_nvlink else
+                   f"its peers {', '.join(peers)} have NVLink")
             out.append(
                 f"degraded fabric? {topo.devices[i].name} reaches every peer over PCIe only while {why}: check "
                 f"`nvidia-smi nvlink -s -i {topo.devices[i].local_index}` (inactive links) and the fabric manager"

@@ -106,20 +106,24 @@ def _row(line: str, number: int, label: str, m: TopoMatrix, source: str) -> None
             elif _CELL.fullmatch(piece):
                 cells.append(piece)
             else:
-                raise TopologyParseError(f"row {label}, column {m.columns[len(cells)]}: unknown cell {piece!r}; expected "
+                raise TopologyParseError(f"row {label}, column {m.columns[len(cells)]}: "
+                                         f"unknown cell {piece!r}; expected "
                                          f"{VOCABULARY}", line=number, source=source)
     if len(cells) < n:
-        raise TopologyParseError(f"row {label}: expected {n} link cells ({m.columns[0]}..{m.columns[-1]}), found {len(cells)}: "
+        raise TopologyParseError(f"row {label}: expected {n} link cells ({m.columns[0]}..{m.columns[-1]}), "
+                                 f"found {len(cells)}: "
                                  f"the row is truncated or a column was lost", line=number, source=source)
     own = m.columns.index(label)
     bad_x = [m.columns[j] for j, c in enumerate(cells) if (c == "X") != (j == own)]
     if bad_x:
-        raise TopologyParseError(f"row {label}: X must be exactly in its own column {label}, but columns {', '.join(bad_x)} "
+        raise TopologyParseError(f"row {label}: X must be exactly in its own column {label}, "
+                                 f"but columns {', '.join(bad_x)} "
                                  f"disagree: the columns are misaligned", line=number, source=source)
     want = len(m.affinity_columns) if label.startswith("GPU") else 0
     if len(extra) != want:
         raise TopologyParseError(f"row {label}: expected {want} value(s) after the {n} link cells "
-                                 f"({', '.join(m.affinity_columns) or 'none'}), found {len(extra)} ({' '.join(extra) or 'none'})",
+                                 f"({', '.join(m.affinity_columns) or 'none'}), "
+                                 f"found {len(extra)} ({' '.join(extra) or 'none'})",
                                  line=number, source=source)
     m.cells[label] = cells
     m.affinity[label] = dict(zip(m.affinity_columns, extra))
@@ -136,7 +140,8 @@ def parse_matrix(text: str, source: str = "<text>", allow_partial: bool = False)
         raise not_a_matrix(*other, source=source)
     head = next((k for k, line in enumerate(lines) if re.match(r"^\s*GPU0(?:\s|GPU|$)", line)), None)
     if head is None:
-        raise TopologyParseError("no header line starting with GPU0: expected the column header of `nvidia-smi topo -m` "
+        raise TopologyParseError("no header line starting with GPU0: "
+                                 "expected the column header of `nvidia-smi topo -m` "
                                  "(GPU0 GPU1 ... CPU Affinity)", line=1, source=source)
     columns, affinity = _header(lines[head], head + 1, source)
     m = TopoMatrix(columns, affinity)
@@ -160,8 +165,10 @@ def parse_matrix(text: str, source: str = "<text>", allow_partial: bool = False)
                                      line=number, source=source)
     missing = [g for g in m.gpus if g not in m.cells]
     if missing and not allow_partial:
-        raise TopologyParseError(f"the matrix ends after row {list(m.cells)[-1] if m.cells else '(none)'} but the header names "
-                                 f"{len(m.gpus)} GPUs ({missing[0]}..{missing[-1]} missing): the capture is truncated; pass "
+        raise TopologyParseError(f"the matrix ends after row {list(m.cells)[-1] if m.cells else '(none)'} "
+                                 "but the header names "
+                                 f"{len(m.gpus)} GPUs ({missing[0]}..{missing[-1]} missing): "
+                                 "the capture is truncated; pass "
                                  f"allow_partial=True (CLI: --partial) to accept unknown links for the missing pairs",
                                  line=k + 1, source=source)
     if not m.cells:
@@ -177,7 +184,8 @@ def _check_symmetric(m: TopoMatrix, source: str) -> None:
             other = m.cells.get(b)
             if other is not None and m.row_line[b] < m.row_line[a] and other[idx[a]] != cell:
                 raise TopologyParseError(f"row {a} says {cell} for {b} but row {b} (line {m.row_line[b]}) says "
-                                         f"{other[idx[a]]} for {a}: a topo matrix is symmetric, the capture is corrupted",
+                                         f"{other[idx[a]]} for {a}: a topo matrix is symmetric, "
+                                         "the capture is corrupted",
                                          line=m.row_line[a], source=source)
 
 
@@ -203,5 +211,6 @@ def parse_topo(text: str, source: str = "<text>", allow_partial: bool = False, f
     topo = Topology.from_tokens(name or "topo_m", tokens, devices, fabric, expect_nvlink, source, nics)
     absent = [n for n in m.nics if n not in m.cells]
     if absent and len(absent) < len(m.nics):
-        topo.warnings.append(f"NIC rows {absent[0]}..{absent[-1]} are not in the capture (GPU-NIC links come from the GPU rows)")
+        topo.warnings.append(f"NIC rows {absent[0]}..{absent[-1]} are not in the capture "
+                             "(GPU-NIC links come from the GPU rows)")
     return topo

@@ -48,12 +48,14 @@ def check_placement(topology: Topology, devices: Sequence[int], traffic: str, sh
                          f"per_step for ddp/zero1/zero2)")
     order = island_order(topology, devices)
     if len(order) != len(devices):
-        raise ValueError(f"devices {list(devices)} must be distinct indices of {topology.name} (0..{len(topology.devices) - 1})")
+        raise ValueError(f"devices {list(devices)} must be distinct indices of {topology.name} "
+                         f"(0..{len(topology.devices) - 1})")
     k = len(order)
     if shard_size is not None and (shard_size < 1 or k % shard_size):
         raise ValueError(f"shard group size {shard_size} does not divide the job's {k} ranks: use one of "
                          f"{[d for d in range(1, k + 1) if k % d == 0]}")
-    groups = [order[s:s + (shard_size or k)] for s in range(0, k, shard_size or k)] if traffic == "per_layer" else [order]
+    groups = [order[s:s + (shard_size or k)]
+              for s in range(0, k, shard_size or k)] if traffic == "per_layer" else [order]
     if all(len({topology.island_index(d) for d in g}) == 1 for g in groups):
         return None
     actual = min(topology.ring(g)[0] for g in groups)

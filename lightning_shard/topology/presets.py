@@ -71,7 +71,8 @@ def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
     if n < 1:
         raise ValueError(f"{source}: devices must be >= 1, got {cfg.get('devices')!r}")
     if ("uniform" in cfg) == ("matrix" in cfg):
-        raise ValueError(f"{source}: give exactly one of `uniform` (one cell for every pair) or `matrix` (rows of cells)")
+        raise ValueError(f"{source}: give exactly one of `uniform` (one cell for every pair) "
+                         "or `matrix` (rows of cells)")
     if "uniform" in cfg:
         tokens = [["X" if i == j else str(cfg["uniform"]) for j in range(n)] for i in range(n)]
     else:
@@ -87,7 +88,8 @@ def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
     devices = [Device(index=i, name=f"{prefix}{i}", local_index=i, kind=kind, model=cfg.get("model"), numa=numa[i])
                for i in range(n)]
     # generations not given follow the model (H100 / H200: PCIe Gen5, A100: Gen4, V100: Gen3), else the defaults
-    fabric = fabric_for_models([cfg.get("model")], _int_or_none(cfg.get("nvlink_gen")), _int_or_none(cfg.get("pcie_gen")),
+    fabric = fabric_for_models([cfg.get("model")], _int_or_none(cfg.get("nvlink_gen")),
+                               _int_or_none(cfg.get("pcie_gen")),
                                network=cfg.get("network", "ib_ndr"), nics_per_node=int(cfg.get("nics_per_node", 8)))
     topo = Topology.from_tokens(name, tokens, devices, fabric, bool(cfg.get("expect_nvlink", False)), source,
                                 extra_tokens=_EXTRA_TOKENS)

@@ -55,7 +55,8 @@ def recipe_nodes():
 def test_every_registered_strategy_has_a_config():
     # Lightning owns the name "auto": the registered "zero_auto" is the Hydra option strategy=auto
     assert {"auto" if name == "zero_auto" else name for name in REGISTERED} <= set(STRATEGIES)
-    assert {"gpt_tiny", "gpt_test", "gpt_1b", "hf_causal_lm", "hf_causal_lm_lora", "digits", "synthetic"} <= set(RECIPES)
+    assert {"gpt_tiny", "gpt_test", "gpt_1b", "hf_causal_lm", "hf_causal_lm_lora", "digits",
+            "synthetic"} <= set(RECIPES)
     assert {"csv", "tensorboard"} <= set(LOGGERS)
 
 

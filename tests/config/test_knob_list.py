@@ -91,7 +91,8 @@ def test_signature_knobs_and_docstring_come_from_the_config(cls):
 
 def test_the_config_classes_match_the_strategy_classes():
     assert {c.CONFIG for c in STRATEGIES} == set(CONFIGS)
-    assert (Zero3Strategy.CONFIG, FSDPShardStrategy.CONFIG, AutoStrategy.CONFIG) == (Zero3Config, FSDPConfig, AutoConfig)
+    assert (Zero3Strategy.CONFIG, FSDPShardStrategy.CONFIG,
+            AutoStrategy.CONFIG) == (Zero3Config, FSDPConfig, AutoConfig)
     assert issubclass(Zero3Config, ZeroConfig) and issubclass(FSDPConfig, Zero3Config)
 
 
@@ -141,7 +142,8 @@ def test_planner_mirrors_agree_with_the_configs():
 
 @pytest.mark.parametrize("config,target", [
     (ZeroConfig, "lightning_shard.strategies.Zero2Strategy"), (Zero3Config, "lightning_shard.strategies.Zero3Strategy"),
-    (FSDPConfig, "lightning_shard.strategies.FSDPShardStrategy"), (AutoConfig, "lightning_shard.strategies.AutoStrategy"),
+    (FSDPConfig, "lightning_shard.strategies.FSDPShardStrategy"),
+    (AutoConfig, "lightning_shard.strategies.AutoStrategy"),
 ])
 def test_prelaunch_choices_are_the_configs(config, target):
     for f in dataclasses.fields(config):

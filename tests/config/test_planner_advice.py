@@ -57,7 +57,8 @@ def _settings() -> list[tuple]:
         out += [("gpt_1b", name, None, 64, 1, "bf16-true"), ("gpt_7b", name, None, 64, 1, "bf16-true")]
         if topo.num_nodes == 1:  # two copies of the node: hybrid across nodes (the issue's --gpus 16 on hgx_h100_8)
             out.append(("gpt_7b", name, 2 * len(topo.devices), 64, 1, "bf16-true"))
-    out += [("gpt_1b", "dgx1_v100", 4, 64, 1, "bf16-true"),  # a subset of one node: trainer.devices, CUDA_VISIBLE_DEVICES
+    out += [("gpt_1b", "dgx1_v100", 4, 64, 1, "bf16-true"),  # a subset of one node: trainer.devices,
+                                                             # CUDA_VISIBLE_DEVICES
             ("gpt_1b", str(CAPTURE), None, 64, 1, "bf16-true")]  # a capture file: no preset
     return out
 

@@ -25,7 +25,8 @@ def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
 
 def _data(steps: int, world: int, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(steps, world * 4, 9, generator=g).to(dtype), torch.randn(steps, world * 4, 5, generator=g).to(dtype)
+    return (torch.randn(steps, world * 4, 9, generator=g).to(dtype),
+            torch.randn(steps, world * 4, 5, generator=g).to(dtype))
 
 
 def _train(engine: ShardEngine, model: nn.Module, opt: torch.optim.Optimizer, steps: int, dtype=torch.float32):

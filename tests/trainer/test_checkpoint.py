@@ -98,7 +98,8 @@ def _fit_top1(path: str) -> None:
                         accumulate_grad_batches=2, use_distributed_sampler=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[cb])
     data = dataset(3, 2, 2)
-    trainer.fit(ZooModule(unused=False), DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, 2, C.get_rank())))
+    trainer.fit(ZooModule(unused=False),
+                DataLoader(data, batch_sampler=RankMicroBatches(len(data), 2, 2, C.get_rank())))
 
 
 def test_consolidated_weights_load_into_bare_module(worlds, tmp_path):

@@ -44,8 +44,10 @@ def test_hybrid_parity_and_traffic_per_axis(world4, name):
     for i, entries in enumerate(res["per_batch_groups"]):
         boundary = (i + 1) % acc == 0
         replicate = [e for e in entries if e[2] == "replicate"]
-        world = [e for e in entries if e[2] == "world" and not e[1].startswith(("buffers", "used_mask", "unit_discovery"))]
-        assert world == [], f"micro-batch {i}: gradient/parameter traffic must stay on the shard/replicate axes: {world}"
+        world = [e for e in entries
+                 if e[2] == "world" and not e[1].startswith(("buffers", "used_mask", "unit_discovery"))]
+        assert world == [], (f"micro-batch {i}: gradient/parameter traffic must stay on the "
+                             f"shard/replicate axes: {world}")
         if not boundary:
             assert replicate == [], f"micro-batch {i} is not a boundary but crossed islands: {replicate}"
         else:

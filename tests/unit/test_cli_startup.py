@@ -64,7 +64,8 @@ import lightning_shard
 assert not [m for m in ("torch", "lightning") if m in sys.modules], "eager import"
 import lightning as L
 from lightning.pytorch.strategies import StrategyRegistry
-names = [n for n in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_hybrid", "zero_auto") if n in StrategyRegistry]
+names = [n for n in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_hybrid", "zero_auto")
+         if n in StrategyRegistry]
 from lightning_shard import Zero2Strategy
 from lightning_shard.strategies import Zero2Strategy as Z2
 print(names, Zero2Strategy is Z2, StrategyRegistry["zero2"]["strategy"] is Z2, "Zero3Strategy" in dir(lightning_shard))

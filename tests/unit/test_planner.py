@@ -41,7 +41,8 @@ def test_recommend_for_returns_a_registered_strategy():
     assert rec.strategy_name in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
     assert "fastest that fits" in rec.reason and rec.table
     cls = REGISTERED[rec.strategy_name][0]
-    assert rec.kwargs["accumulation"] in cls.ACCUMULATION  # the class's own policy names (tests/config/test_planner_advice.py)
+    assert rec.kwargs["accumulation"] in cls.ACCUMULATION  # the class's own policy names
+    # (tests/config/test_planner_advice.py)
 
 
 def test_hybrid_recommended_on_nvl_pairs():
@@ -83,7 +84,8 @@ def test_unknown_topology(capsys):
 
 def test_batch_not_divisible():
     with pytest.raises(ValueError, match=r"global batch 48 is not divisible into micro-batches of 4 on 8 ranks: "
-                                         r"48 % \(4 x 8\) = 16\. Use a global batch of 32 or 64, or a micro-batch of 3"):
+                                         r"48 % \(4 x 8\) = 16\. "
+                                         r"Use a global batch of 32 or 64, or a micro-batch of 3"):
         batch_split(48, 4, 8)
     with pytest.raises(ValueError, match="multiple of the world size 8"):
         batch_split(12, 1, 8)

@@ -7,7 +7,8 @@ machine's kernel may evict and fault back in, which made an RSS high-water mark 
 in CI) after imports and process-group set-up, builds a GPT (recipes.gpt, fp32, ~3.2M parameters), wraps it in
 the stage-0 engine (gloo, world 1) with Adam and trains 3 steps of 8 x 256 tokens while a thread samples it every
 0.2 ms; the measured peak is the sampled maximum minus that baseline (``ru_maxrss`` is printed beside it). The
-planner's prediction is ``memory.peak_bytes`` for the same layout with activations from the Korthikanti et al. formula (stats.py).
+planner's prediction is ``memory.peak_bytes`` for the same layout with activations from the Korthikanti et al.
+formula (stats.py).
 """
 
 from __future__ import annotations

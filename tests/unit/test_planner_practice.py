@@ -89,7 +89,8 @@ def practice_table() -> str:
         spread = rows(name, "h100_nvl_8", [FSDP, FSDP.with_(shard_size=2)], acc=8)
         pair = rows(name, "h100_nvl_8", [FSDP], world=2, devices=[0, 1], acc=8)[FSDP]
         s, h = spread[FSDP], spread[FSDP.with_(shard_size=2)]
-        out.append(f"| NVL pairs: spread vs one pair | {name} | 8 ranks over 4 pairs vs 2 ranks in a pair, {FSDP.label}, acc 8 "
+        out.append(f"| NVL pairs: spread vs one pair | {name} | 8 ranks over 4 pairs vs 2 ranks in a pair, "
+                   f"{FSDP.label}, acc 8 "
                    f"| {s.time.total:.3f} vs {pair.time.total:.3f} s: step x{s.time.total / pair.time.total:.2f}, "
                    f"ring x{pair.rings['world'].gbps / s.rings['world'].gbps:.1f} | {s.memory['total'] / 2**30:.1f} |")
         out.append(f"| NVL pairs: hybrid recovers | {name} | {h.label} | {h.time.total:.3f} s "

@@ -35,7 +35,8 @@ def test_file_json(capsys):
     assert len(out["nics"]) == 10 and out["devices"][4]["numa"] == 1
     partial = _json(capsys, ["topo", "--file", str(ASSETS / "f22_pcie_2017_partial.txt"), "--partial", "--json",
                              "--pcie-gen", "3"])
-    assert partial["fabric"]["pcie_gen"] == 3 and partial["gbps"][0][1] == 15.75 and partial["matrix"][6][7] == "unknown"
+    assert (partial["fabric"]["pcie_gen"] == 3 and partial["gbps"][0][1] == 15.75
+            and partial["matrix"][6][7] == "unknown")
     assert any("no link information" in w for w in partial["warnings"])
     rocm = _json(capsys, ["topo", "--file", str(ASSETS / "f27_mi300_rocm_smi.txt"), "--json"])
     assert rocm["islands"][0]["link"] == "xgmi"
@@ -138,7 +139,8 @@ def test_pcie_generation_follows_the_gpu(capsys):
 def test_file_missing_or_a_directory_is_one_line(capsys, tmp_path):
     assert main(["topo", "--file", str(tmp_path / "nope.txt")]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == f"lightning-shard topo: error: --file {tmp_path / 'nope.txt'}: no such file\n"
+    assert (captured.out == ""
+            and captured.err == f"lightning-shard topo: error: --file {tmp_path / 'nope.txt'}: no such file\n")
     assert main(["topo", "--file", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"lightning-shard topo: error: --file {tmp_path}: not a file") and err.count("\n") == 1

@@ -194,7 +194,8 @@ def test_generations_by_gpu_model():
              "NVIDIA A100-SXM4-80GB": (3, 4), "NVIDIA A100 80GB PCIe": (3, 4), "NVIDIA A10G": (3, 4),
              "Tesla V100-SXM2-32GB": (2, 3), "Tesla P100-PCIE-16GB": (1, 3), "Tesla T4": (2, 3),
              "NVIDIA GeForce RTX 4090": (None, 4), "NVIDIA L40S": (None, 4), "NVIDIA GeForce RTX 5090": (None, 5),
-             "NVIDIA RTX A2000": (3, 4), "PCIe GPU": (None, None), "AMD Instinct MI300X": (None, None), None: (None, None)}
+             "NVIDIA RTX A2000": (3, 4), "PCIe GPU": (None, None), "AMD Instinct MI300X": (None, None),
+             None: (None, None)}
     assert {m: generations_for(m) for m in cases} == cases
 
 
@@ -252,4 +253,5 @@ def test_smi_generation_from_the_query_else_the_model(monkeypatch):
     assert detect(env={}, run=runner("NVIDIA H100 NVL", 4)).fabric.pcie_gen == 4  # the slot's limit wins
     assert detect(env={}, run=runner("NVIDIA H100 NVL", "[N/A]")).fabric.pcie_gen == 5
     a100 = detect(env={"CUDA_VISIBLE_DEVICES": "1,0"}, run=runner("NVIDIA A100 80GB PCIe"))
-    assert (a100.fabric.nvlink_gen, a100.fabric.pcie_gen) == (3, 4) and [d.name for d in a100.devices] == ["GPU1", "GPU0"]
+    assert ((a100.fabric.nvlink_gen, a100.fabric.pcie_gen) == (3, 4)
+            and [d.name for d in a100.devices] == ["GPU1", "GPU0"])

@@ -49,7 +49,8 @@ def test_multi_node_groups():
 @pytest.mark.parametrize(
     "preset, kwargs, words",
     [
-        ("hgx_h100_8", dict(world_size=4), "8 devices per node but the job runs 4 ranks per node.*CUDA_VISIBLE_DEVICES=0,1,2,3"),
+        ("hgx_h100_8", dict(world_size=4),
+         "8 devices per node but the job runs 4 ranks per node.*CUDA_VISIBLE_DEVICES=0,1,2,3"),
         ("a100_pcie_4_pairs", dict(world_size=8), "4 devices per node but the job runs 8.*use a preset with 8 devices"),
         ("hgx_h100_8", dict(world_size=8, shard_size=3),
          r"shard group size 3 does not divide world size 8 \(8 % 3 = 2\): use one of \[1, 2, 4, 8\]"),

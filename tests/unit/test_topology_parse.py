@@ -22,14 +22,16 @@ CAPTURES = {
     "f03_h100_sxm_nvswitch_tabs.txt": (8, ALL8, {L.NVSWITCH}, 450.0, False),
     "f05_h100_nvswitch_old_columns.txt": (8, ALL8, {L.NVSWITCH}, 450.0, False),
     "f06_h100_4gpu_direct_nv6.txt": (4, ((0, 1, 2, 3),), {L.NVLINK}, 150.0, False),
-    "f08_h100_nvl_pairs.txt": (8, ((0, 1), (2, 3), (4, 5), (6, 7)), {L.NVLINK, L.NUMA_NODE, L.CROSS_SOCKET}, 300.0, False),
+    "f08_h100_nvl_pairs.txt": (8, ((0, 1), (2, 3), (4, 5), (6, 7)), {L.NVLINK, L.NUMA_NODE, L.CROSS_SOCKET},
+                               300.0, False),
     "f09_a100_pcie_pairs.txt": (4, ((0, 1), (2, 3)), {L.NVLINK, L.CROSS_SOCKET}, 300.0, False),
     "f13_dgx2_v100_partial.txt": (16, (tuple(range(16)),), {L.NVSWITCH}, 150.0, True),
     "f17_rtx4090_pcie_tabs.txt": (8, SINGLE8, {L.CROSS_SOCKET}, None, False),
     "f18_consumer_mixed_numa.txt": (5, tuple((i,) for i in range(5)), {L.CROSS_SOCKET, L.PCIE_HOSTBRIDGE, L.NUMA_NODE},
                                     None, False),
     "f20_rtx3090_numa_na_tabs.txt": (2, ((0,), (1,)), {L.CROSS_SOCKET}, None, False),
-    "f22_pcie_2017_partial.txt": (8, SINGLE8, {L.PCIE_SWITCH, L.PCIE_HOSTBRIDGE, L.CROSS_SOCKET, L.UNKNOWN}, None, True),
+    "f22_pcie_2017_partial.txt": (8, SINGLE8, {L.PCIE_SWITCH, L.PCIE_HOSTBRIDGE, L.CROSS_SOCKET, L.UNKNOWN},
+                                  None, True),
 }
 
 
@@ -88,7 +90,8 @@ def test_split_cells():
 
 
 def test_old_driver_tokens():
-    old = "\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPSB\tSOC\t0-7\nGPU1\tPSB\t X \tSOC\t0-7\nGPU2\tSOC\tSOC\t X \t8-15\n"
+    old = ("\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPSB\tSOC\t0-7\n"
+           "GPU1\tPSB\t X \tSOC\t0-7\nGPU2\tSOC\tSOC\t X \t8-15\n")
     topo = parse_topo(old)
     assert topo.link(0, 1).cls is L.PCIE_SWITCH and topo.link(0, 2).cls is L.CROSS_SOCKET
 
