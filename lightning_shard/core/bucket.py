@@ -104,6 +104,7 @@ class Bucket:
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
         self.state = GradState.EMPTY
         self.pending = 0
+        self.lazy = False  # the full gradient buffer is allocated when this backward's first gradient arrives
         self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
@@ -166,8 +167,16 @@ class Bucket:
         self.shard = None
 
     # ------------------------------------------------------------------ gradients
+    def expect_grads(self) -> None:
+        """A backward starts and no gradient is held (ZeRO-2, the start of a window): allocate the full buffer
+        only when the first gradient arrives (:meth:`attach_grads` from the hook), so that the buckets whose
+        gradients are not computed yet, or already reduce-scattered and freed, hold no full gradients."""
+        self.lazy = True
+        self.pending = len(self.params)
+
     def attach_grads(self) -> None:
         """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
+        self.lazy = False
         if self.grad_buf is None:
             self.grad_buf = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             self.grad_views = slot_views(self.layout, self.grad_buf)

@@ -153,8 +153,10 @@ class ShardEngine:
 
     def _make_hook(self, bucket: Bucket, i: int):
         def hook(_: torch.Tensor) -> None:
-            if bucket.grad_buf is None:  # a backward that did not go through pre_backward
-                return
+            if bucket.grad_buf is None:
+                if not bucket.lazy:  # a backward that did not go through pre_backward
+                    return
+                bucket.attach_grads()  # the bucket's first gradient of this backward: allocate now
             bucket.adopt_grad(i)
             if bucket.unit is not None and bucket.unit.pending == 0:
                 self.controller.on_grads_ready(bucket.unit)
@@ -180,6 +182,8 @@ class ShardEngine:
                 )
             if self.spec.shards_params:  # parameters are sharded now: views attach when the unit is gathered
                 b.pending = len(b.params)
+            elif self.spec.frees_grads and b.grad_buf is None:  # ZeRO-2: full gradients only while needed
+                b.expect_grads()
             else:
                 b.attach_grads()
         if self.controller is not None:

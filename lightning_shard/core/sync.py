@@ -19,6 +19,8 @@ import torch
 from .bucket import Bucket
 from .state import AccumulationPolicy, GradState
 
+IN_FLIGHT = 2  # ZeRO-2: gradient reductions outstanding during backward (the earliest is waited for and freed)
+
 
 class SyncState(enum.Enum):
     """The backward in progress (from ``begin`` to ``end``), or none."""
@@ -37,6 +39,7 @@ class GradSync:
         self.require_sync = True  # the next backward ends a window (False inside no_sync)
         self.state = SyncState.IDLE
         self._next_launch = 0
+        self._next_finish = 0
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -62,7 +65,7 @@ class GradSync:
             self.state = SyncState.BOUNDARY
         else:
             self.state = SyncState.MICRO_BATCH if self.policy is AccumulationPolicy.PER_MICRO_BATCH else SyncState.LOCAL
-        self._next_launch = 0
+        self._next_launch = self._next_finish = 0
 
     def bucket_ready(self, bucket: Bucket) -> None:
         """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
@@ -76,9 +79,7 @@ class GradSync:
                 b.set_state(GradState.ACCUMULATING)
             return
         self._launch_in_order(force=True)
-        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
-        for b in self.buckets:
-            b.finish_reduce(self.boundary, accumulate)
+        self._finish_up_to(len(self.buckets))
 
     def end(self) -> None:
         self.state = SyncState.IDLE
@@ -98,6 +99,17 @@ class GradSync:
                 return
             b.launch_reduce(self.reduce_dtype_for(b), async_op=True)
             self._next_launch += 1
+            if not force and b.spec.frees_grads and not b.spec.shards_params:
+                # ZeRO-2: at most IN_FLIGHT reductions outstanding; an earlier bucket's full gradients are freed as
+                # soon as its reduce-scatter is done, not at the end of backward
+                self._finish_up_to(self._next_launch - IN_FLIGHT)
+
+    def _finish_up_to(self, end: int) -> None:
+        """Wait for the reductions of buckets ``[_next_finish, end)``, in bucket order, and fold them in."""
+        accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
+        while self._next_finish < end:
+            self.buckets[self._next_finish].finish_reduce(self.boundary, accumulate)
+            self._next_finish += 1
 
     def reduce_dtype_for(self, b: Bucket) -> torch.dtype:
         if self.reduce_dtype is not None:

@@ -209,3 +209,49 @@ def test_no_gloo_gather_outlives_a_step_while_the_profiler_records(w):
     forward as usual."""
     assert all(w.run(gathers_left_in_flight, False)[0])
     assert not any(w.run(gathers_left_in_flight, True)[0])
+
+
+def full_grad_bytes_during_backward(stage: int, micro_batches: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])  # 8 buckets of one layer each
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=0.001)
+    seen: list[int] = []
+
+    def alive(_: torch.Tensor) -> None:  # runs after the engine's own hook for the same parameter
+        seen.append(sum(b.grad_buf.numel() for b in engine.buckets if b.grad_buf is not None))
+
+    handles = [p.register_post_accumulate_grad_hook(alive) for p in model.parameters()]
+    x = torch.randn(micro_batches, 4, 16)
+    for m in range(micro_batches):
+        ctx = engine.no_sync() if m < micro_batches - 1 else torch.enable_grad()
+        with ctx:
+            engine.pre_backward()
+            model(x[m]).pow(2).mean().backward()
+            engine.post_backward()
+    engine.prepare_step(opt)
+    opt.step()
+    engine.finish_step(opt)
+    for h in handles:
+        h.remove()
+    engine.remove_hooks()
+    return {"peak": max(seen), "total": sum(b.layout.padded_numel for b in engine.buckets),
+            "bucket": max(b.layout.padded_numel for b in engine.buckets), "buckets": len(engine.buckets)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero2_holds_full_gradients_only_for_the_buckets_in_flight(w, stage):
+    """ZeRO-2's saving must reach the peak: a bucket's full gradient buffer is allocated when its first gradient
+    arrives and freed once its reduce-scatter is done (at most IN_FLIGHT outstanding), not held for the whole
+    backward; ZeRO-1 keeps them all (its gradients are full by definition). Accumulating micro-batches under
+    ``defer`` keep every buffer until the boundary, as they must."""
+    from lightning_shard.core.sync import IN_FLIGHT
+
+    r = w.run(full_grad_bytes_during_backward, stage, 1)[0]
+    assert r["buckets"] == 8
+    if stage == 1:
+        assert r["peak"] == r["total"]
+    else:
+        assert r["peak"] <= (IN_FLIGHT + 1) * r["bucket"] < r["total"], r
+    acc = w.run(full_grad_bytes_during_backward, stage, 2)[0]
+    assert acc["peak"] == acc["total"]  # the first micro-batch's gradients are held for the boundary
