@@ -9,8 +9,10 @@ variance), SGD with momentum K = 4 (+4 master for half params), plain SGD K = 0.
 :func:`state_bytes` follows this engine's tensors instead (``Bucket.tensor_bytes``): padded flat buffers,
 fp32 masters of the owned elements for half-precision parameters, the reduced fp32 gradient shard the
 optimizer reads, the fp32 accumulator of ``per_micro_batch`` and the optimizer's state of the owned shard.
-:func:`peak_bytes` adds what exists only during a micro-batch: full gradient buffers (the engine allocates
-them for the whole backward, every stage), fp32 copies of half gradients in flight, gathered stage-3 units
+:func:`peak_bytes` adds what exists only during a micro-batch: full gradient buffers (stages 0/1 hold them
+for the whole backward and across steps; stage 2 allocates a bucket's buffer at its first gradient and frees it
+once its reduce-scatter is done, so a communicating backward holds at most ``IN_FLIGHT + 1`` buckets, while an
+accumulating ``defer`` window holds them all), fp32 copies of half gradients in flight, gathered stage-3 units
 (root + the largest unit x (1 + prefetch depth), or every unit when parameters are kept), activations.
 """
 
@@ -20,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..core.sync import IN_FLIGHT
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 
@@ -105,16 +108,20 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     st = state_bytes(layout, cfg, job, shard_rank)
     persistent = st["params"] + st["master"] + st["optimizer_state"] + st["accumulators"]
     grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)
-    in_flight = 0  # fp32 copies of half gradients and reduce-scatter outputs, held until the backward ends
+    in_flight = 0  # fp32 copies of half gradients and reduce-scatter outputs, held until the reduction is folded in
+    per_bucket = []
     for b in layout.trainable:
         rd = _reduce_dtype(cfg, b)
-        if rd != b.dtype:
-            in_flight += b.padded_numel * _SIZE[rd]
-        if layout.stage > 0:
-            in_flight += b.shard_numel * _SIZE[rd]
+        extra = (b.padded_numel * _SIZE[rd] if rd != b.dtype else 0) + \
+            (b.shard_numel * _SIZE[rd] if layout.stage else 0)
+        in_flight += extra
+        per_bucket.append(b.padded_numel * b.itemsize + extra)
     shard_grads = st["grads"] - (grad_full if layout.stage < 2 else 0)
     gathered = gathered_bytes(layout, cfg)
-    if layout.stage < 3:  # buffers allocated at pre_backward: present while activations are alive
+    window_held = job.accumulation > 1 and not cfg.per_micro_batch  # defer: every bucket kept to the boundary
+    if layout.stage == 2 and not window_held:  # buffers appear as backward reaches them and go once reduced
+        during = max(activations, sum(sorted(per_bucket, reverse=True)[: IN_FLIGHT + 1]))
+    elif layout.stage < 3:  # buffers present while activations are alive
         during = grad_full + max(activations, in_flight)
     else:  # unit buffers appear as backward reaches each unit, while activations are freed
         during = max(activations, grad_full + in_flight)
