@@ -101,7 +101,9 @@ class GradSync:
             self._next_launch += 1
             if not force and b.spec.frees_grads and not b.spec.shards_params:
                 # ZeRO-2: at most IN_FLIGHT reductions outstanding; an earlier bucket's full gradients are freed as
-                # soon as its reduce-scatter is done, not at the end of backward
+                # soon as its reduce-scatter is done, not at the end of backward. Not stage 3: waiting for a
+                # reduction inside backward while ranks gather different units on the gather group deadlocked
+                # (hf_switch under fsdp_shard: each rank blocked on a collective the other had not reached)
                 self._finish_up_to(self._next_launch - IN_FLIGHT)
 
     def _finish_up_to(self, end: int) -> None:
