@@ -7,12 +7,12 @@ is the entry the strategies' ``strategy=auto`` calls at setup; ``auto_policy`` p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from torch import nn
 
-from ..topology import Topology, from_capture, list_presets, load_preset
+from ..topology import Topology
+from ..topology.presets import resolve as resolve_topology
 from .config import Job, StrategyConfig, batch_split, check_precision
 from .evaluate import Context, PlanRow, candidates, evaluate, make_context
 from .hardware import DeviceSpec, device_spec
@@ -58,24 +58,6 @@ class Recommendation:
     kwargs: dict[str, Any]  # the registered class's keywords (``StrategyConfig.kwargs()``)
     reason: str
     table: list[dict[str, Any]]
-
-
-def resolve_topology(topology: Union[None, str, Topology], world: int) -> Topology:
-    """A Topology from an object, a preset name, a capture file, ``"detect"``; None: ``world`` CPU processes."""
-    if isinstance(topology, Topology):
-        return topology
-    if topology is None or topology == "cpu":
-        return load_preset("cpu", devices=world)
-    if topology == "detect":
-        from ..topology import detect
-
-        return detect()
-    if Path(topology).is_file():
-        return from_capture(topology)
-    if topology not in list_presets():
-        raise ValueError(f"unknown topology {topology!r}: not a preset ({', '.join(list_presets())}), not a capture "
-                         "file, not 'detect'")
-    return load_preset(topology)
 
 
 def _gib(x: float) -> str:

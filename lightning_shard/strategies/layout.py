@@ -11,11 +11,11 @@ import logging
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional, Union
 
 from ..core import collectives as C
-from ..topology import Topology, build_layout, check_placement, detect, from_capture, load_preset
+from ..topology import Topology, build_layout, check_placement
+from ..topology.presets import resolve
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,9 @@ class Groups:
 
 
 def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
-    if spec is None:
-        return None
-    if spec == "detect":
-        return detect()
-    if Path(spec).is_file():
-        return from_capture(spec)
-    if spec in ("cpu",):
-        return load_preset("cpu", devices=local_world)
-    return load_preset(spec)
+    """The strategy's ``topology`` knob (:func:`lightning_shard.topology.presets.resolve`); None: not given (no
+    placement check; ``shard_size="auto"`` then needs one)."""
+    return None if spec is None else resolve(spec, local_world)
 
 
 def validate_shard_size(shard_size: Union[None, int, str]) -> None:
