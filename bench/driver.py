@@ -14,7 +14,13 @@ tokens, fixed seed, AdamW), each variant in a fresh Python process with N CPU ra
 * ``unused`` -> ``bench/results/unused.{json,md}``: what leaving parameters without gradients out of the step
   costs (``find_unused_parameters=True``, the default: one all-reduce of a byte per parameter per optimizer step)
   against ``False`` (no exchange), for zero2 and zero3, side by side in one run.
-* ``all``: every table in one go (a variant measured for an earlier table is reused in a later one).
+* ``peak`` -> ``bench/results/peak.{json,md}`` (``bench_peak.py``): peak memory per rank of ``ddp``, ``zero0``,
+  ``zero1``, ``zero2``, ``fsdp2``, ``zero3``, ``fsdp_shard`` (default knobs) on Hugging Face GPT-2
+  (``--model hf_gpt2``, its default), every rank started with ``MALLOC_MMAP_THRESHOLD_=65536
+  MALLOC_TRIM_THRESHOLD_=65536`` so that glibc returns large frees and the peak follows live tensors; against the
+  ZeRO formula's saving per rung. ``--sizes 6x384 24x512`` adds row sets of other sizes to the same table.
+* ``all``: the zero12, zero3 and unused tables in one go (a variant measured for an earlier table is reused in a
+  later one); not ``peak``, which has its own model defaults and malloc environment.
 
 Every variant uses a launcher that starts each rank as its own fresh interpreter, so peak RSS is per rank. Where
 the modules are: ``variants.py`` (suites, model, module and strategy per variant), ``rank.py`` (one rank's fit),
@@ -35,13 +41,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from peak import PEAK_MALLOC_ENV, code_state, peak_fields, sizes_of
 from report import MARKDOWN
-from variants import NOTES, SUITES, VARIANTS, model_param_count
+from variants import ALL_SUITES, MODELS, NOTES, SUITES, VARIANTS, model_param_count, unit_param_counts
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-
-
 def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     import lightning
     import torch
@@ -59,17 +64,28 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
         "lightning": lightning.__version__, "platform": platform.platform(), "ranks": args.devices,
         "threads_per_rank": 1, "backend": "gloo", "params": n_params, "param_mib_fp32": n_params * 4 / 2**20,
-        "model": {k: getattr(args, k) for k in ("vocab", "block_size", "n_layer", "n_head", "n_embd")},
+        "model": model_info(args),
         "micro_batch_per_rank": args.batch_size, "tokens_per_step_per_rank": args.batch_size * args.block_size,
         "warmup_steps": args.warmup, "timed_steps": args.steps,
         "optimizer": "AdamW(lr=3e-4, betas=(0.9,0.95), wd=0.1/0)",
         "bucket_mb": args.bucket_mb, "comm_hook": args.comm_hook, "repeats": args.repeats,
         "profile_steps": args.profile_steps,
-    }
+    } | ({"malloc_env": PEAK_MALLOC_ENV, "code": code_state()} if args.suite == "peak" else {})
+
+
+def model_info(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {k: getattr(args, k) for k in ("vocab", "block_size", "n_layer", "n_head", "n_embd")}
+    if args.model != "gpt" or args.suite == "peak":  # the other suites' JSON as before for the recipe GPT
+        out["kind"] = args.model
+    if args.suite == "peak":
+        n = model_param_count(args)
+        out.update(params=n, param_mib_fp32=n * 4 / 2**20, units=unit_param_counts(args))
+    return out
 
 
 def child_argv(args: argparse.Namespace, variant: str, rank_out: Path) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--rank-out", str(rank_out)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--rank-out", str(rank_out),
+            "--suite", args.suite, "--model", args.model]
     for k in ("steps", "warmup", "n_layer", "n_head", "n_embd", "vocab", "block_size", "batch_size", "bucket_mb",
               "seed", "devices", "profile_steps"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
@@ -88,10 +104,14 @@ def suite_outputs(args: argparse.Namespace, suite: str) -> tuple[Path, Path]:
 def run_all(args: argparse.Namespace) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if args.suite == "peak":  # this suite only (it never runs together with another)
+        env.update(PEAK_MALLOC_ENV)
     info = machine_info(args)
-    print(f"model: {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
+    print(f"model: {args.model} {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
           f"{args.devices} ranks x 1 thread; {args.warmup} warmup + {args.steps} timed steps; "
-          f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite(s) {', '.join(args.suites)}", flush=True)
+          f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite(s) {', '.join(args.suites)}"
+          + (f"; env {' '.join(f'{k}={v}' for k, v in PEAK_MALLOC_ENV.items())}" if args.suite == "peak" else ""),
+          flush=True)
     done: dict[str, tuple[str, dict[str, Any]]] = {}  # variant -> (suite that ran it, merged result)
     written = []
     for suite in args.suites:
@@ -102,28 +122,23 @@ def run_all(args: argparse.Namespace) -> None:
         tmp = Path(args.out_dir) / f"{suite}.tmp"  # per-rank files and logs (default: bench/results/<suite>.tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         t_suite = time.perf_counter()
-        todo = [v for v in variants if v not in done]
-        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in todo}
-        for rep in range(args.repeats):
-            order = list(todo) if rep % 2 == 0 else list(reversed(todo))  # ABC CBA: spread drift
-            for variant in order:
-                runs[variant].append(run_one(args, variant, rep, tmp, env))
-        results: dict[str, dict[str, Any]] = {}
-        for v in variants:
-            if v in done:  # measured in an earlier table of this invocation: reuse, say so
-                results[v] = dict(done[v][1], reused_from_suite=done[v][0])
-            else:
-                results[v] = merge_repeats(v, runs[v])
-                done[v] = (suite, results[v])
+        row_sets = []
+        for i, size_args in enumerate(sizes_of(args) if suite == "peak" else [args]):
+            t_set = time.perf_counter()
+            if i:
+                n = model_param_count(size_args)
+                print(f"row set {i + 1}: {size_args.n_layer} layers x {size_args.n_embd} wide, {size_args.n_head} "
+                      f"heads: {n / 1e6:.1f}M params", flush=True)
+            tag = "" if not i else f"{size_args.n_layer}x{size_args.n_embd}."
+            results = run_suite(size_args, suite, variants, tmp, env, done, tag)
+            row_sets.append({"model": model_info(size_args), "results": results,
+                             "wall_s": time.perf_counter() - t_set})
         wall = time.perf_counter() - t_suite
-        for key, base_variant in (("ratio_vs_ddp", "ddp"), ("ratio_vs_fsdp2", "fsdp2")):
-            base = results.get(base_variant, {}).get("tokens_per_s_mean")
-            if base_variant in results:
-                for r in results.values():
-                    if "error" not in r:
-                        r[key] = r["tokens_per_s_mean"] / base if base else None
         doc = {"suite": suite, "machine": info, "command": " ".join([Path(sys.executable).name] + sys.argv),
-               "wall_s": wall, "results": results}
+               "wall_s": wall, "results": row_sets[0]["results"]}
+        if suite == "peak":  # the default size's rows are ``results``; further sizes, each with its model
+            doc["row_set_wall_s"] = row_sets[0]["wall_s"]
+            doc["row_sets"] = row_sets[1:]
         out_json, out_md = suite_outputs(args, suite)
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(doc, indent=1))
@@ -135,11 +150,39 @@ def run_all(args: argparse.Namespace) -> None:
     print(f"wrote {', '.join(written)}")
 
 
-def run_one(args: argparse.Namespace, variant: str, rep: int, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
-    rank_out = tmp / f"{variant}.r{rep}.json"
+def run_suite(args: argparse.Namespace, suite: str, variants: list[str], tmp: Path, env: dict[str, str],
+              done: dict[str, tuple[str, dict[str, Any]]], tag: str = "") -> dict[str, dict[str, Any]]:
+    """Every variant of one table (repeats interleaved), merged; ``done``: variants an earlier table measured."""
+    todo = [v for v in variants if v not in done]
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in todo}
+    for rep in range(args.repeats):
+        order = list(todo) if rep % 2 == 0 else list(reversed(todo))  # ABC CBA: spread drift
+        for variant in order:
+            runs[variant].append(run_one(args, variant, rep, tmp, env, tag))
+    results: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        if v in done:  # measured in an earlier table of this invocation: reuse, say so
+            results[v] = dict(done[v][1], reused_from_suite=done[v][0])
+        else:
+            results[v] = merge_repeats(v, runs[v])
+            if suite != "peak":  # its own model and environment: nothing shared with another table
+                done[v] = (suite, results[v])
+    for key, base_variant in (("ratio_vs_ddp", "ddp"), ("ratio_vs_fsdp2", "fsdp2")):
+        base = results.get(base_variant, {}).get("tokens_per_s_mean")
+        if base_variant in results:
+            for r in results.values():
+                if "error" not in r:
+                    r[key] = r["tokens_per_s_mean"] / base if base else None
+    return results
+
+
+def run_one(args: argparse.Namespace, variant: str, rep: int, tmp: Path, env: dict[str, str],
+            tag: str = "") -> dict[str, Any]:
+    rank_out = tmp / f"{tag}{variant}.r{rep}.json"
     for r in range(args.devices):
         rank_out.with_suffix(f".rank{r}.json").unlink(missing_ok=True)
-    log_path = tmp / f"{variant}.r{rep}.log"
+    log_path = tmp / f"{tag}{variant}.r{rep}.log"
+    code0 = code_state()["lightning_shard_py_sha256"] if args.suite == "peak" else None
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
@@ -153,18 +196,48 @@ def run_one(args: argparse.Namespace, variant: str, rep: int, tmp: Path, env: di
     while not all(f.exists() for f in files) and time.time() < deadline:
         time.sleep(0.5)
     wall = time.perf_counter() - t0
-    if rc != 0 or not all(f.exists() for f in files):
+    code = {} if code0 is None else {"code_sha256_start": code0,
+                                     "code_sha256_end": code_state()["lightning_shard_py_sha256"]}
+    exit_error = None
+    if rc != 0 and args.suite == "peak" and all(f.exists() for f in files):
+        # every rank wrote its result (end of training) and then the job failed (e.g. a crash at interpreter exit):
+        # the peak suite keeps the measurement and reports the exit beside it
+        tail = log_path.read_text()[-3000:]
+        try:
+            ranks = [json.loads(f.read_text()) for f in files]
+            exit_error = {"rc": rc, "error_line": error_line(tail), "log_tail": tail}
+            print(f"[{variant} #{rep}] exited rc={rc} AFTER every rank wrote its result ({exit_error['error_line']}); "
+                  "results kept, exit reported", flush=True)
+        except ValueError:
+            pass
+    if exit_error is None and (rc != 0 or not all(f.exists() for f in files)):
         tail = log_path.read_text()[-3000:]
         print(f"[{variant} #{rep}] FAILED (rc={rc}); log tail:\n{tail}", flush=True)
-        return {"variant": variant, "note": NOTES[variant], "error": f"rc={rc}", "log_tail": tail}
-    time.sleep(0.5)  # let the last rank finish writing
-    r = summarize(variant, [json.loads(f.read_text()) for f in files], wall)
+        return {"variant": variant, "note": NOTES[variant], "error": f"rc={rc}", "error_line": error_line(tail),
+                "log_tail": tail, "variant_wall_s": wall, **code}
+    if exit_error is None:
+        time.sleep(0.5)  # let the last rank finish writing
+        ranks = [json.loads(f.read_text()) for f in files]
+    r = summarize(variant, ranks, wall)
+    r.update(code)
+    if exit_error is not None:
+        r["exit_error"] = exit_error
     print(f"[{variant} #{rep}] {r['tokens_per_s_mean']:.0f} tok/s/rank, model state "
           f"{'/'.join(f'{x:.1f}' for x in r['model_state_mib_per_rank'])} MiB (opt "
           f"{'/'.join(f'{x:.1f}' for x in r['optimizer_state_mib_per_rank'])}), "
           f"peak RSS {r['peak_rss_mib_max']:.0f} MiB, wire {r['wire_mib_per_step_per_rank']:.1f} MiB/step, "
           f"final loss {r['final_loss_rank0']:.4f} ({wall:.0f}s)", flush=True)
     return r
+
+
+def error_line(log_tail: str) -> str:
+    """The last line of a failed run's log that names an exception (else its last line)."""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Interrupt")) or head in ("AssertionError", "Killed"):
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
 
 
 def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,9 +252,12 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["failed_repeats"] = len(runs) - len(good)
     out["tokens_per_s_mean"] = sum(r["tokens_per_s_mean"] for r in good) / len(good)
     out["tokens_per_s_rank0"] = sum(r["tokens_per_s_rank0"] for r in good) / len(good)
-    out["peak_rss_mib_max"] = max(r["peak_rss_mib_max"] for r in good)
-    out["peak_rss_mib_per_rank"] = [max(r["peak_rss_mib_per_rank"][i] for r in good)
-                                    for i in range(len(good[0]["peak_rss_mib_per_rank"]))]
+    if "train_peak_rss_mib_per_rank" in out:  # peak suite: every memory figure from one run (the first good one)
+        out["peak_rss_mib_per_rank_each_repeat"] = [r["peak_rss_mib_per_rank"] for r in good]
+    else:
+        out["peak_rss_mib_max"] = max(r["peak_rss_mib_max"] for r in good)
+        out["peak_rss_mib_per_rank"] = [max(r["peak_rss_mib_per_rank"][i] for r in good)
+                                        for i in range(len(good[0]["peak_rss_mib_per_rank"]))]
     for key in ("phase_s_per_step_rank0", "engine_s_per_step_rank0"):
         out[key] = {k: sum(r[key][k] for r in good) / len(good) for k in good[0][key]}
     out["median_step_s_per_rank"] = [sorted(r["median_step_s_per_rank"][i] for r in good)[len(good) // 2]
@@ -211,33 +287,38 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "model_state_rank0": ranks[0]["model_state"],
         "final_loss_rank0": ranks[0]["losses"][-1], "losses_rank0": ranks[0]["losses"],
         "torch_threads": ranks[0]["torch_threads"],
-    }
+    } | (peak_fields(variant, ranks) if "train_peak_rss_bytes" in ranks[0] else {})
 
 
-
-# ============================================================================================ CLI
 def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
                description: Optional[str] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(description or __doc__ or "").split("\n\n")[0])
     p.add_argument("--suite", choices=(*SUITES, "all"), default=default_suite,
-                   help=f"which table(s): zero12 {SUITES['zero12']}, zero3 {SUITES['zero3']}, or all "
-                        f"(default {default_suite})")
+                   help=f"which table(s): zero12 {SUITES['zero12']}, zero3 {SUITES['zero3']}, unused, peak "
+                        f"{SUITES['peak']}, or all ({', '.join(ALL_SUITES)}) (default {default_suite})")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="gpt: the recipe GPT (default of the zero12/zero3/unused suites); hf_gpt2: Hugging Face "
+                        "GPT2LMHeadModel (default of the peak suite)")
+    p.add_argument("--sizes", nargs="+", default=[], metavar="LxE[xH]",
+                   help="peak suite: further row sets at these sizes (layers x width [x heads; default width/64 for "
+                        "hf_gpt2]), e.g. --sizes 24x512 for ~84M parameters; the run's own size comes first")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                    help="restrict the suite(s) to these variants (default: all of the suite's)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per variant")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
     p.add_argument("--n-layer", type=int, default=None)
-    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--n-head", type=int, default=None, help="default 8 (gpt), width/64 (hf_gpt2)")
     p.add_argument("--n-embd", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=None, help="default 8192 (peak suite 16384)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per variant, order reversed every other round; tokens/s is their mean")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--profile-steps", type=int, default=2,
-                   help="steps after the timed ones run under torch.profiler for the engine phase times (0: none)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="steps after the timed ones run under torch.profiler for the engine phase times (0: none; "
+                        "default 2, peak suite 0)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="~1 minute smoke run per suite (smaller model, few steps)")
     p.add_argument("--no-comm-hook", dest="comm_hook", action="store_false",
@@ -249,12 +330,40 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant, one rank
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    full = dict(repeats=2, steps=12, warmup=3, n_layer=6, n_embd=512, batch_size=4)
-    quick = dict(repeats=1, steps=5, warmup=2, n_layer=2, n_embd=256, batch_size=2)
+    if args.suite == "peak":  # HF GPT-2 ~17M, a few steps (timing is not the point), no profiled steps
+        full = dict(model="hf_gpt2", repeats=1, steps=3, warmup=2, n_layer=6, n_embd=384, batch_size=4, vocab=16384,
+                    profile_steps=0)
+        quick = dict(full, steps=1, warmup=1, n_layer=2, n_embd=192)
+    else:
+        full = dict(model="gpt", repeats=2, steps=12, warmup=3, n_layer=6, n_embd=512, batch_size=4, vocab=8192,
+                    profile_steps=2)
+        quick = dict(full, repeats=1, steps=5, warmup=2, n_layer=2, n_embd=256, batch_size=2)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.suites = list(SUITES) if args.suite == "all" else [args.suite]
+
+    def heads(n_embd: int) -> int:
+        return max(1, n_embd // 64) if args.model == "hf_gpt2" else 8
+
+    explicit_heads = args.n_head
+    if args.n_head is None:
+        args.n_head = heads(args.n_embd)
+    sizes = []
+    for spec in args.sizes:
+        try:
+            dims = [int(x) for x in spec.lower().split("x")]
+        except ValueError:
+            dims = []
+        if len(dims) not in (2, 3) or min(dims) < 1:
+            p.error(f"--sizes {spec!r}: expected LAYERSxWIDTH or LAYERSxWIDTHxHEADS, e.g. 24x512")
+        n_head = dims[2] if len(dims) == 3 else explicit_heads or heads(dims[1])
+        if dims[1] % n_head:
+            p.error(f"--sizes {spec}: width {dims[1]} is not divisible by {n_head} heads")
+        sizes.append((dims[0], dims[1], n_head))
+    if sizes and args.suite != "peak":
+        p.error("--sizes is for the peak suite (row sets of one table)")
+    args.sizes = sizes
+    args.suites = list(ALL_SUITES) if args.suite == "all" else [args.suite]
     in_suites = [v for s in args.suites for v in SUITES[s]]
     if args.variants is None:
         args.variants = list(dict.fromkeys(in_suites))

@@ -12,6 +12,13 @@ lightning_shard ``engine.memory_report()`` minus ``gathered_params`` (transient 
 shards (``DTensor.to_local()``) of the parameters, of their gradients and of the optimizer state; DDP / ZeRO-R: the
 parameter, ``.grad`` and optimizer tensors (DDP's reducer bucket buffers are not counted).
 
+Peak suite only (``--suite peak``, ``bench_peak.py``): at ``on_train_start`` (strategy set up, model built and
+sharded, optimizer constructed; no step taken, so no optimizer state yet) each rank records its resident set
+(``VmRSS``, the baseline) and its high-water mark so far (``VmHWM``, the setup peak), then resets the high-water mark
+to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) so that the ``VmHWM`` read at the end of the
+timed steps is the peak of the training window alone; the whole-process peak is the larger of the two. Where the
+reset is refused, the training-window peak is the whole-process one (``hwm_reset: false`` in the result).
+
 Engine phases (lightning_shard variants): the ``torch.profiler`` labels ``lightning_shard.<phase>`` the engine
 emits, summed over ``--profile-steps`` extra steps run after the timed ones (the profiler's overhead stays out of
 the timed steps), reported as seconds per step under the engine's method names (``post_backward``, ...).
@@ -21,9 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from variants import OURS, model_param_bytes
 from wire import Counters, counting_allreduce_hook, wire_per_step
@@ -33,17 +41,45 @@ ENGINE_PHASES = ("pre_backward", "post_backward", "prepare_step", "finish_step",
 
 
 # ============================================================================================ memory
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM), falling back to getrusage."""
+def _status_bytes(key: str) -> Optional[int]:
+    """A ``kB`` line of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in bytes; None where there is none."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), falling back to getrusage."""
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> Optional[int]:
+    """This process's resident set now (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (``/proc/self/clear_refs`` value 5, Linux >= 4.0); False where refused."""
+    before = _status_bytes("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    after = _status_bytes("VmHWM")
+    return before is not None and after is not None and after <= before
+
+
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def _local(t: Any) -> Any:
@@ -130,6 +166,7 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
 
     first, last = args.warmup, args.warmup + args.steps - 1
     n_profiled = profiled_steps(args, variant)
+    peak_probe = getattr(args, "suite", None) == "peak"
 
     class Meter(pl.Callback):
         def __init__(self) -> None:
@@ -142,6 +179,10 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
             self.n_batches = 0  # batches started, all epochs (the profiled steps can run in a second epoch)
 
         def on_train_start(self, trainer, pl_module) -> None:
+            if peak_probe:  # baseline before the first step; then the high-water mark of training alone
+                self.baseline_rss = rss_bytes()
+                self.setup_peak_rss = peak_rss_bytes()
+                self.hwm_reset = reset_peak_rss()
             if variant in ("ddp", "zero_r") and args.comm_hook:
                 trainer.strategy.model.register_comm_hook(counters, counting_allreduce_hook)
 
@@ -224,5 +265,15 @@ def write_rank_result(args: argparse.Namespace, variant: str, trainer: Any, mete
         **wire_per_step(args, variant, trainer, meter.entries, meter.counters0, meter.counters1, param_bytes),
         "losses": meter.losses, "torch_threads": torch.get_num_threads(),
     }
+    if getattr(args, "suite", None) == "peak":
+        setup_peak, train_peak = getattr(meter, "setup_peak_rss", None), out["peak_rss_bytes"]
+        out.update({
+            "baseline_rss_bytes": getattr(meter, "baseline_rss", None),  # VmRSS at on_train_start
+            "setup_peak_rss_bytes": setup_peak,  # VmHWM at on_train_start (before the reset)
+            "hwm_reset": getattr(meter, "hwm_reset", False),
+            "train_peak_rss_bytes": train_peak,  # VmHWM at the end of the timed steps (since the reset, if done)
+            "peak_rss_bytes": max(train_peak, setup_peak or 0),  # whole process
+            "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
+        })
     path = Path(args.rank_out).with_suffix(f".rank{rank}.json")
     path.write_text(json.dumps(out, indent=1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from peak import markdown_peak
+
 
 def _header(doc: dict[str, Any], title: str) -> list[str]:
     m = doc["machine"]
@@ -168,4 +170,4 @@ def markdown_unused(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-MARKDOWN = {"zero12": markdown_zero12, "zero3": markdown_zero3, "unused": markdown_unused}
+MARKDOWN = {"zero12": markdown_zero12, "zero3": markdown_zero3, "unused": markdown_unused, "peak": markdown_peak}

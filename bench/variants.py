@@ -1,8 +1,14 @@
 """The benchmark's variants: which suite holds which, what each is, and the module + strategy that run it.
 
-Every variant trains the project's recipe GPT (``recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm
-blocks ``recipes.gpt.Block``, no dropout) under AdamW; only the strategy (and for ``zero_r`` the optimizer,
-for ``fsdp2`` a ``configure_model``) differs.
+Every variant trains one model under AdamW; only the strategy (and for ``zero_r`` the optimizer, for ``fsdp2`` a
+``configure_model``) differs. The model (``--model``): ``gpt`` (default; the project's recipe GPT,
+``recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm blocks ``recipes.gpt.Block``, no dropout) or
+``hf_gpt2`` (Hugging Face ``transformers.GPT2LMHeadModel``, tied embedding, dropout 0, blocks ``GPT2Block`` in
+``model.transformer.h``; the ``peak`` suite's default).
+
+Knobs of the lightning_shard variants: the zero12 / zero3 / unused suites pass ``accumulation`` and
+``find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every strategy with its default
+knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class).
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ SUITES = {
     "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
     "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
     "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
+    "peak": ("ddp", "zero0", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
 }
+# ``--suite all``: the GPT tables that share model, data and environment (the peak suite has its own model defaults
+# and malloc environment, so it runs only on its own)
+ALL_SUITES = ("zero12", "zero3", "unused")
 VARIANTS = tuple(dict.fromkeys(v for vs in SUITES.values() for v in vs))
+MODELS = ("gpt", "hf_gpt2")
 NOTES = {
     "zero0": "lightning_shard stage 0: bucketed all-reduce, replicated AdamW",
     "zero1": "lightning_shard: reduce-scatter grads, sharded AdamW, all-gather params",
@@ -33,12 +44,40 @@ NOTES = {
 
 
 # ============================================================================================ model
+def model_kind(args: argparse.Namespace) -> str:
+    return getattr(args, "model", None) or "gpt"
+
+
 def build_model(args: argparse.Namespace):
-    """The recipe GPT at the benchmark's sizes (tied embedding, dropout 0)."""
+    """The benchmark's model at its sizes (tied embedding, dropout 0): the recipe GPT or HF GPT-2."""
+    if model_kind(args) == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        # bos/eos ids inside the vocabulary (GPT-2's 50256 is not, and transformers warns); unused in training
+        cfg = GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
+                         n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
+        return GPT2LMHeadModel(cfg)
     from recipes.gpt import GPT
 
     return GPT(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                n_embd=args.n_embd, dropout=0.0, tie_weights=True)
+
+
+def transformer_blocks(model: Any) -> Any:
+    """The model's transformer blocks (the FSDP2 units below the root)."""
+    return model.transformer.h if hasattr(model, "transformer") else model.blocks
+
+
+def block_class(args: argparse.Namespace) -> type:
+    """The block class ``fsdp_shard`` wraps."""
+    if model_kind(args) == "hf_gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return GPT2Block
+    from recipes.gpt import Block
+
+    return Block
 
 
 def model_param_count(args: argparse.Namespace) -> int:
@@ -46,7 +85,21 @@ def model_param_count(args: argparse.Namespace) -> int:
     import torch
 
     with torch.device("meta"):
-        return build_model(args).num_parameters()
+        model = build_model(args)
+        return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def unit_param_counts(args: argparse.Namespace) -> dict[str, int]:
+    """Parameters of one transformer block and of what is outside the blocks (the root unit of a per-block wrap:
+    embeddings, final norm, tied head), from a meta-device copy."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(args)
+        blocks = list(transformer_blocks(model))
+        total = sum(p.numel() for p in model.parameters())
+        block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+        return {"block": block, "root": total - block * len(blocks), "n_blocks": len(blocks)}
 
 
 def model_param_bytes(args: argparse.Namespace) -> int:
@@ -59,6 +112,8 @@ def make_module(args: argparse.Namespace, variant: str):
     import torch
     import torch.nn.functional as F
 
+    hf = model_kind(args) == "hf_gpt2"
+
     class BenchModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -66,7 +121,7 @@ def make_module(args: argparse.Namespace, variant: str):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            logits = self.model(x)
+            logits = self.model(input_ids=x, use_cache=False).logits if hf else self.model(x)
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
         def configure_optimizers(self):
@@ -87,7 +142,7 @@ def make_module(args: argparse.Namespace, variant: str):
         return BenchModule()
 
     class FSDP2Module(BenchModule):
-        """ModelParallelStrategy requires ``configure_model``: FSDP2 on each block, then on the GPT root."""
+        """ModelParallelStrategy requires ``configure_model``: FSDP2 on each block, then on the model's root."""
 
         def configure_model(self) -> None:
             from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -95,7 +150,7 @@ def make_module(args: argparse.Namespace, variant: str):
             if isinstance(self.model, FSDPModule):
                 return
             mesh = self.device_mesh["data_parallel"]
-            for block in self.model.blocks:
+            for block in transformer_blocks(self.model):
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -107,17 +162,22 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
 
     import lightning_shard  # noqa: F401  (registers the strategy names)
     from lightning_shard.strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy
-    from recipes.gpt import Block
 
     if variant in ("ddp", "zero_r"):
         return DDPStrategy(process_group_backend="gloo")
     if variant == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                      process_group_backend="gloo", save_distributed_checkpoint=True)
+    cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
+           "zero2_nomask": Zero2Strategy}.get(variant)
+    if getattr(args, "suite", None) == "peak":  # default knobs (bucket_mb as the other suites pass it)
+        if variant == "zero3":
+            return Zero3Strategy()
+        if variant == "fsdp_shard":
+            return FSDPShardStrategy(wrap_classes=[block_class(args)])
+        return cls(bucket_mb=args.bucket_mb)
     if variant in ("zero3", "zero3_nomask"):
         return Zero3Strategy(accumulation="auto", find_unused_parameters=variant == "zero3")
     if variant == "fsdp_shard":
-        return FSDPShardStrategy(wrap_classes=[Block], accumulation="auto")
-    cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-           "zero2_nomask": Zero2Strategy}[variant]
+        return FSDPShardStrategy(wrap_classes=[block_class(args)], accumulation="auto")
     return cls(bucket_mb=args.bucket_mb, accumulation="defer", find_unused_parameters=variant != "zero2_nomask")
