@@ -152,7 +152,7 @@ class EnginePhaseProfile:
         return {name: total_us[label] / 1e6 / steps for name, label in labels.items() if label in total_us}
 
     def close(self) -> None:
-        """Stop a profiler still running (training ended early): one left running crashes the interpreter's exit."""
+        """Stop a profiler still running (training ended early or raised), so that none outlives the run."""
         if self.prof is not None:
             self.prof.stop()
             self.prof = None

@@ -117,7 +117,6 @@ class ShardEngine:
         # stages 1/2: the all-gather after a step runs in the background and each module waits for its own
         # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
         self.gathers = PostStepGathers(module, self.buckets, overlap_param_gather)
-        self.overlap_param_gather = self.gathers.overlap
         self._hooks += self.gathers.handles
         self.last_grad_norm: Optional[float] = None
 

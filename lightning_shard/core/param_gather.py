@@ -16,6 +16,7 @@ from .bucket import Bucket
 class PostStepGathers:
     def __init__(self, module: nn.Module, buckets: list[Bucket], overlap: bool) -> None:
         self.overlap = overlap and any(b.spec.gathers_after_step for b in buckets)
+        self._gloo = bool(buckets) and C.backend(buckets[0].group) == "gloo"  # the groups' backend does not change
         self._pending: list[Bucket] = []
         self.handles: list[Any] = self._register_waits(module, buckets) if self.overlap else []
 
@@ -35,10 +36,15 @@ class PostStepGathers:
 
     def launch(self, buckets: list[Bucket]) -> None:
         """After the optimizer updated these buckets' shards: write them back and all-gather (stage 3: copy
-        masters into the shard only; its units gather on use)."""
+        masters into the shard only; its units gather on use).
+
+        While ``torch.profiler`` records on gloo none is left in flight past the step: a gloo async work carries
+        the profiler's record function to its completion, and a profiler stopped (its schedule stepping at the
+        batch end) before the work completed crashed the process in ``work.wait()`` (a segfault in about 1 run in
+        10 of bench/'s profiled window, torch 2.13 CPU)."""
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.launch_gather(async_op=True)
-        if self.overlap and not _profiling_on_gloo(buckets):
+        if self.overlap and not (self._gloo and torch.autograd._profiler_enabled()):
             self._pending += [b for b in buckets if b.spec.gathers_after_step]
         else:
             _wait(buckets)
@@ -46,14 +52,6 @@ class PostStepGathers:
     def wait_all(self) -> None:
         pending, self._pending = self._pending, []
         _wait(pending)
-
-
-def _profiling_on_gloo(buckets: list[Bucket]) -> bool:
-    """``torch.profiler`` is recording and the gathers run on gloo: leave none in flight past the step. A gloo
-    async work carries the profiler's record function to its completion, and a profiler stopped (its schedule
-    stepping at the batch end) before the work completes crashed the process in ``work.wait()`` (a segfault in
-    about 1 run in 10 of bench/'s profiled window, torch 2.13 CPU)."""
-    return bool(buckets) and torch.autograd._profiler_enabled() and C.backend(buckets[0].group) == "gloo"
 
 
 def _wait(buckets: list[Bucket]) -> None:
