@@ -38,19 +38,30 @@ class Gauge:
         self.peak = max(self.peak, self.now)
 
 
+def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    """An fp32 buffer in host memory for a bucket on ``device`` (pinned when ``device`` is a GPU, so copies to and
+    from it are asynchronous)."""
+    return torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=device.type == "cuda")
+
+
 class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
                  group_index: Optional[int], *, spec: ShardSpec, rank: int, group: C.Group,
-                 replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None) -> None:
+                 replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
+                 param_dtype: Optional[torch.dtype] = None, offload: bool = False) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
         self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
-        self.dtype = params[0].dtype
+        source = params[0].dtype  # the dtype the module's parameters came in with
+        # mixed-precision policy (``param_dtype``): fp32 parameters are held as fp32 masters (the rank's owned
+        # elements) and computed, gathered and stored in the module in ``param_dtype``
+        self.cast = param_dtype is not None and source.is_floating_point and param_dtype != source
+        self.dtype = param_dtype if self.cast else source
         self.device = params[0].device
-        self.itemsize = params[0].element_size()
+        self.itemsize = self.dtype.itemsize
         self.unit: Optional[Unit] = None  # the ZeRO-3 unit this bucket belongs to (stage 3 only)
         self.gauge = Gauge()  # stage 3: the controller hands every bucket the same one
         self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
@@ -59,18 +70,26 @@ class Bucket:
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
 
         self.flat_param: Optional[torch.Tensor] = None
+        own_source: Optional[torch.Tensor] = None  # the owned elements in the source dtype (cast buckets)
         if spec.shards_params:  # copy only this rank's range: no full flat buffer at setup (deferred init peak)
-            shard_buf = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+            shard_buf = torch.zeros(self.layout.shard_numel, dtype=source, device=self.device)
             by_name = dict(zip(names, params))
             with torch.no_grad():
                 for slot, lo, hi in self.layout.slot_intersections(self.shard_start, self.shard_end):
                     p = by_name[slot.name]
                     shard_buf[lo - self.shard_start:hi - self.shard_start].copy_(
                         p.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+            if self.cast:
+                own_source = shard_buf[: self.own_hi - self.own_lo].clone()
+                shard_buf = shard_buf.to(self.dtype)
         else:
-            self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            full = torch.empty(self.layout.padded_numel, dtype=source, device=self.device)
             with torch.no_grad():
-                flatten_into(self.layout, [p.detach() for p in params], self.flat_param)
+                flatten_into(self.layout, [p.detach() for p in params], full)
+            if self.cast:
+                own_source = full[self.own_lo:self.own_hi].clone()
+                full = full.to(self.dtype)
+            self.flat_param = full
         self.trainable = opt_index is not None  # stage 3 also shards frozen parameters, with no optimizer
         # stage 3: only the padded shard persists; the full buffer exists while the unit is unsharded
         self.shard: Optional[torch.Tensor] = None
@@ -86,7 +105,21 @@ class Bucket:
                 p.data = view
             own = self.flat_param[self.own_lo:self.own_hi]
         self.master: Optional[torch.Tensor] = None
-        if self.dtype in (torch.float16, torch.bfloat16) and self.trainable:
+        # ZeRO-Offload (``offload_optimizer``): the fp32 master shard, its gradient and (created by the optimizer
+        # on the master's device) the optimizer state live in host memory, pinned on CUDA; the optimizer steps on
+        # the CPU. On a CPU-only machine the same path runs with separate host buffers.
+        self.offload = offload and self.trainable
+        self.host_grad: Optional[torch.Tensor] = None  # offload: the averaged gradient shard, copied out
+        self._offload_event: Any = None  # offload on CUDA: the device-to-host gradient copy
+        if self.offload:
+            src = own_source if own_source is not None else own.detach()
+            self.master = host_buffer(self.owned_numel, self.device)
+            self.master.copy_(src)
+            self.shard_param = nn.Parameter(self.master)
+        elif own_source is not None:  # param_dtype: the fp32 values are the truth, frozen parameters' included
+            self.master = own_source
+            self.shard_param = nn.Parameter(self.master, requires_grad=self.trainable)
+        elif self.dtype in (torch.float16, torch.bfloat16) and self.trainable:
             self.master = own.detach().float().clone()
             self.shard_param = nn.Parameter(self.master)
         else:
@@ -252,9 +285,23 @@ class Bucket:
         if mine.dtype != self.shard_param.dtype:
             mine = mine.to(self.shard_param.dtype)
         mine.div_(self.total_world)
+        if self.offload:  # the optimizer steps in host memory: copy the gradient shard out
+            if self.host_grad is None:
+                self.host_grad = host_buffer(self.owned_numel, self.device)
+            self.host_grad.copy_(mine, non_blocking=True)
+            if self.device.type == "cuda":
+                self._offload_event = torch.cuda.Event()
+                self._offload_event.record()
+            mine = self.host_grad
         self.shard_param.grad = mine
         self.optimizer_view.set_grads(mine)
         self.set_state(GradState.REDUCED)
+
+    def wait_offload(self) -> None:
+        """Offload on CUDA: the host copy of the gradient shard is complete (before the CPU optimizer reads it)."""
+        event, self._offload_event = self._offload_event, None
+        if event is not None:
+            event.synchronize()
 
     @property
     def chunks(self) -> list[nn.Parameter]:
@@ -275,12 +322,13 @@ class Bucket:
         """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2); the work is kept
         in ``_param_work`` until :meth:`wait_param_gather`."""
         with torch.no_grad():
+            # a host master (offload) is pinned on CUDA: the copy back is asynchronous, ordered before the gather
             if self.spec.shards_params:  # the next forward gathers; only the master needs copying into the shard
                 if self.master is not None:
-                    self.shard[: self.owned_numel].copy_(self.master)
+                    self.shard[: self.owned_numel].copy_(self.master, non_blocking=self.offload)
                 return None
             if self.master is not None:
-                self.flat_param[self.own_lo:self.own_hi].copy_(self.master)
+                self.flat_param[self.own_lo:self.own_hi].copy_(self.master, non_blocking=self.offload)
         if not self.spec.gathers_after_step:
             return None
         self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
@@ -313,6 +361,11 @@ class Bucket:
             return 0 if t is None else t.numel() * t.element_size()
 
         shard_grad = self.shard_param.grad
+        if self.offload:  # ``on_host``: the part of the others in host memory (the master and its gradient)
+            return {"params": nb(self.shard) if self.spec.shards_params else nb(self.flat_param),
+                    "gathered_params": nb(self.flat_param) if self.spec.shards_params else 0,
+                    "grads": nb(self.grad_buf) + nb(self.host_grad), "master": nb(self.master),
+                    "accumulators": nb(self.accum), "on_host": nb(self.master) + nb(self.host_grad)}
         aliased = shard_grad is not None and self.grad_buf is not None and \
             shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)

@@ -33,6 +33,16 @@ def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:
     return _DTYPES[value]
 
 
+def parse_param_dtype(value: Optional[str]) -> Optional[torch.dtype]:
+    """``param_dtype``: None (compute in the parameters' own dtype) or the dtype fp32 parameters are computed
+    and gathered in (``"bf16"``/``"fp16"``; ``"fp32"`` is the same as None)."""
+    if value is None or isinstance(value, torch.dtype):
+        return None if value in (None, torch.float32) else value
+    if value not in _DTYPES:
+        raise ValueError(f"param_dtype must be null (no policy) or one of {sorted(_DTYPES)}, got {value!r}")
+    return None if _DTYPES[value] is torch.float32 else _DTYPES[value]
+
+
 def phase(fn):
     """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what ``bench/`` times)."""
     label = f"lightning_shard.{fn.__name__.lstrip('_')}"

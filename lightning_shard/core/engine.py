@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from . import collectives as C
-from . import grads, health, state_dict
+from . import grads, health, mixed, state_dict
 from .bucket import Bucket
 from .build import build_flat, build_units
-from .config import UnitConfig, parse_reduce_dtype, phase
+from .config import UnitConfig, parse_param_dtype, parse_reduce_dtype, phase
 from .deferred import DeferredInit
 from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .param_gather import PostStepGathers
@@ -46,7 +46,8 @@ class ShardEngine:
                  units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
                  replicate_group: C.Group = None, overlap_param_gather: bool = True,
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
-                 debug_collectives: bool = False, gather_group: C.Group = None) -> None:
+                 debug_collectives: bool = False, gather_group: C.Group = None,
+                 param_dtype: Optional[str] = None, offload_optimizer: bool = False) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -67,6 +68,10 @@ class ShardEngine:
         self.replicas = C.get_world_size(replicate_group) if replicate_group is not None else 1
         self.total_world = self.world * self.replicas
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
+        self.param_dtype = parse_param_dtype(param_dtype)
+        self.offload_optimizer = bool(offload_optimizer)
+        if self.param_dtype is not None and self.reduce_dtype is None:
+            self.reduce_dtype = torch.float32  # the policy computes in param_dtype and reduces in fp32 by default
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self._warned_unused: set[str] = set()
@@ -86,6 +91,8 @@ class ShardEngine:
         elif not self.spec.shards_params:
             raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
         owner = self._param_owners()
+        if self.param_dtype is not None:
+            mixed.check_module(module, owner, self.spec.shards_params, self.param_dtype)
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
         self.plan_summary = ""
@@ -118,7 +125,11 @@ class ShardEngine:
         # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
         self.gathers = PostStepGathers(module, self.buckets, overlap_param_gather)
         self._hooks += self.gathers.handles
+        if self.param_dtype is not None:  # modules holding cast parameters compute in param_dtype
+            self._hooks += mixed.cast_inputs(module, [p for b in self.buckets if b.cast for p in b.params],
+                                             self.param_dtype)
         self.last_grad_norm: Optional[float] = None
+        self._restored = False  # restore_source_dtype() ran
 
     # ------------------------------------------------------------------ health (health.py)
     def check_collective_sequence(self) -> None:
@@ -143,7 +154,8 @@ class ShardEngine:
     def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], key: Optional[Owner]) -> Bucket:
         return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, spec=self.spec,
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
-                      chunk_numel=self.chunk_numel, gather_group=self.gather_group)
+                      chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
+                      offload=self.offload_optimizer)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters
@@ -210,6 +222,8 @@ class ShardEngine:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
         self.wait_params()
         self.sync.reduce_now(self.binding_for(optimizer).buckets)
+        for b in self.binding_for(optimizer).buckets:
+            b.wait_offload()  # offload on CUDA: the gradient shards have reached host memory
         self._leave_out_unused(optimizer)
         if self.controller is not None:
             self.controller.before_step()
@@ -303,7 +317,8 @@ class ShardEngine:
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""
-        rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0}
+        rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0,
+               "on_host": 0}
         bucketed = set()
         for b in self.buckets:
             for k, v in b.tensor_bytes().items():
@@ -315,9 +330,22 @@ class ShardEngine:
                 if p.grad is not None:
                     rep["grads"] += p.grad.numel() * p.grad.element_size()
         rep["optimizer_state"] = sum(optimizer_state_bytes(b.optimizer) for b in self.bindings)
+        if self.offload_optimizer:  # the optimizer state was created beside the host masters
+            rep["on_host"] += rep["optimizer_state"]
         rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.spec.reduce_scatters else 0
-        rep["total"] = sum(v for k, v in rep.items() if k != "padding_elements")
+        # ``on_host``: how much of the total lives in host memory (offload); a part of the total, not added to it
+        rep["total"] = sum(v for k, v in rep.items() if k not in ("padding_elements", "on_host"))
         return rep
+
+    def restore_source_dtype(self) -> None:
+        """End of training with ``param_dtype``: the module's parameters become the full fp32 masters again, so
+        ``model.state_dict()`` after fit holds what was trained (collective: every rank must call)."""
+        self.wait_params()
+        if self.param_dtype is None or self._restored or not any(b.cast for b in self.buckets):
+            return
+        self._restored = True
+        full = state_dict.gather_full(self.module, [b for b in self.buckets if b.cast], self.group)
+        mixed.restore(self.module, [b for b in self.buckets if b.cast], full)
 
     def remove_hooks(self) -> None:
         self.wait_params()

@@ -118,11 +118,12 @@ def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
     with torch.no_grad():
         for slot, p in zip(b.layout.slots, b.params):
             name = aliases[id(p)][0]
-            if b.spec.shards_params:
+            if b.spec.shards_params:  # from the fp32 masters where the writer had them (param_dtype, bf16-true)
                 a, e = max(slot.offset, b.shard_start), min(slot.end, b.shard_end)
+                key = f"master/{name}" if reader.has(f"master/{name}") else f"param/{name}"
                 if a < e:
                     b.shard[a - b.shard_start:e - b.shard_start].copy_(
-                        reader.read(f"param/{name}", a - slot.offset, e - slot.offset))
+                        reader.read(key, a - slot.offset, e - slot.offset))
             if b.master is not None:
                 a, e = max(slot.offset, b.own_lo), min(slot.end, b.own_hi)
                 if a < e:

@@ -36,7 +36,7 @@ def scale_to_norm(grads: list[torch.Tensor], total: torch.Tensor, max_norm: floa
     """Clip by norm: scale every shard by ``min(1, max_norm / total)`` (torch's ``clip_grad_norm_`` rule)."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))  # offload: the shards are in host memory
 
 
 def clamp_values(grads: list[torch.Tensor], clip_value: float) -> None:

@@ -348,7 +348,9 @@ class CheckpointMixin:
                 optimizer.load_state_dict(state)
             else:
                 self.engine.binding_for(optimizer).load_full_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
+            # offload_optimizer: the state stays in host memory beside the fp32 master shards it updates
+            _optimizer_to_device(optimizer, torch.device("cpu") if getattr(self, "offload_optimizer", False)
+                                 else self.root_device)
 
 
 __all__ = ["CheckpointError", "CheckpointMixin", "ShardedCheckpointIO", "ShardedWeights", "load_for_strategy",
