@@ -8,7 +8,9 @@ Every variant trains one model under AdamW; only the strategy (and for ``zero_r`
 
 Knobs of the lightning_shard variants: the zero12 / zero3 / unused suites pass ``accumulation`` and
 ``find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every strategy with its default
-knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class).
+knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class), and on request
+(``--variants``, :data:`OPT_IN`) ``zero2_ac``/``zero3_ac``/``fsdp_shard_ac``: the same with
+``activation_checkpointing="auto"``.
 """
 
 from __future__ import annotations
@@ -16,18 +18,31 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask")  # ShardEngine + LEDGER
-STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask")  # ours, parameters sharded (3 passes of parameter bytes per step)
+OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask",
+        "zero2_ac", "zero3_ac", "fsdp_shard_ac")  # ShardEngine + LEDGER
+STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask", "zero3_ac", "fsdp_shard_ac")  # ours, parameters sharded (3 passes
+# of parameter bytes per step)
 SUITES = {
     "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
     "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
     "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
     "peak": ("ddp", "zero0", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
 }
+# variants a suite runs only when ``--variants`` names them (the default table stays as it is): the peak suite's
+# ``<strategy>_ac``, the same strategy with activation_checkpointing="auto" (every transformer block recomputed in
+# backward), e.g. ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac fsdp_shard fsdp_shard_ac``
+OPT_IN = {"peak": ("zero2_ac", "zero3_ac", "fsdp_shard_ac")}
+
+
+def suite_variants(suite: str) -> tuple[str, ...]:
+    """Every variant ``suite`` can run: its default table, then its opt-in variants."""
+    return SUITES[suite] + OPT_IN.get(suite, ())
+
+
 # ``--suite all``: the GPT tables that share model, data and environment (the peak suite has its own model defaults
 # and malloc environment, so it runs only on its own)
 ALL_SUITES = ("zero12", "zero3", "unused")
-VARIANTS = tuple(dict.fromkeys(v for vs in SUITES.values() for v in vs))
+VARIANTS = tuple(dict.fromkeys(v for suite in SUITES for v in suite_variants(suite)))
 MODELS = ("gpt", "hf_gpt2")
 NOTES = {
     "zero0": "lightning_shard stage 0: bucketed all-reduce, replicated AdamW",
@@ -40,6 +55,9 @@ NOTES = {
     "fsdp2": "torch FSDP2 fully_shard per block + root, Lightning ModelParallelStrategy (dp=N, tp=1, gloo)",
     "zero2_nomask": "zero2 with find_unused_parameters=False (no used-mask all-reduce)",
     "zero3_nomask": "zero3 with find_unused_parameters=False (no used-mask all-reduce)",
+    "zero2_ac": "zero2 with activation_checkpointing='auto' (every block's forward recomputed in backward)",
+    "zero3_ac": "zero3 with activation_checkpointing='auto'",
+    "fsdp_shard_ac": "fsdp_shard with activation_checkpointing='auto'",
 }
 
 
@@ -168,14 +186,16 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
     if variant == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                      process_group_backend="gloo", save_distributed_checkpoint=True)
+    # ``<strategy>_ac``: the strategy with activation_checkpointing="auto" (peak suite)
+    base, ac = (variant[:-3], {"activation_checkpointing": "auto"}) if variant.endswith("_ac") else (variant, {})
     cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-           "zero2_nomask": Zero2Strategy}.get(variant)
+           "zero2_nomask": Zero2Strategy}.get(base)
     if getattr(args, "suite", None) == "peak":  # default knobs (bucket_mb as the other suites pass it)
-        if variant == "zero3":
-            return Zero3Strategy()
-        if variant == "fsdp_shard":
-            return FSDPShardStrategy(wrap_classes=[block_class(args)])
-        return cls(bucket_mb=args.bucket_mb)
+        if base == "zero3":
+            return Zero3Strategy(**ac)
+        if base == "fsdp_shard":
+            return FSDPShardStrategy(wrap_classes=[block_class(args)], **ac)
+        return cls(bucket_mb=args.bucket_mb, **ac)
     if variant in ("zero3", "zero3_nomask"):
         return Zero3Strategy(accumulation="auto", find_unused_parameters=variant == "zero3")
     if variant == "fsdp_shard":

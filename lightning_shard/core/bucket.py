@@ -48,7 +48,8 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
                  group_index: Optional[int], *, spec: ShardSpec, rank: int, group: C.Group,
                  replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
-                 param_dtype: Optional[torch.dtype] = None, offload: bool = False) -> None:
+                 param_dtype: Optional[torch.dtype] = None, offload: bool = False,
+                 offload_params: bool = False) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
@@ -96,7 +97,14 @@ class Bucket:
         self.param_state = ParamState.UNSHARDED
         self._gather_work: Any = None
         self._param_work: Any = None  # stages 1/2: the post-step all-gather, waited on by a forward pre-hook
+        # stage 3 ``offload_params``: the persistent shard lives in host memory (pinned on CUDA) and is copied to the
+        # device just before its all-gather; only gathered units occupy the accelerator
+        self.offload_params = offload_params and spec.shards_params
         if spec.shards_params:
+            if self.offload_params:
+                host = torch.empty(shard_buf.numel(), dtype=shard_buf.dtype, device="cpu",
+                                   pin_memory=self.device.type == "cuda")
+                shard_buf = host.copy_(shard_buf)
             self.shard = shard_buf
             own = self.shard[: self.owned_numel]
             self.reshard()
@@ -112,12 +120,16 @@ class Bucket:
         self.host_grad: Optional[torch.Tensor] = None  # offload: the averaged gradient shard, copied out
         self._offload_event: Any = None  # offload on CUDA: the device-to-host gradient copy
         if self.offload:
-            src = own_source if own_source is not None else own.detach()
-            self.master = host_buffer(self.owned_numel, self.device)
-            self.master.copy_(src)
+            if self.offload_params and own_source is None and own.dtype == torch.float32:
+                self.master = own  # the host shard is the fp32 master already: one copy, not two
+            else:
+                src = own_source if own_source is not None else own.detach()
+                self.master = host_buffer(self.owned_numel, self.device)
+                self.master.copy_(src)
             self.shard_param = nn.Parameter(self.master)
         elif own_source is not None:  # param_dtype: the fp32 values are the truth, frozen parameters' included
-            self.master = own_source
+            self.master = own_source if not self.offload_params else host_buffer(own_source.numel(),
+                                                                                 self.device).copy_(own_source)
             self.shard_param = nn.Parameter(self.master, requires_grad=self.trainable)
         elif self.dtype in (torch.float16, torch.bfloat16) and self.trainable:
             self.master = own.detach().float().clone()
@@ -159,7 +171,11 @@ class Bucket:
         self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
         self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         self.gauge.add(self.layout.padded_numel * self.itemsize)
-        self._gather_work = C.all_gather(self.flat_param, self.shard, group=self.gather_group, async_op=async_op,
+        src = self.shard
+        if self.offload_params:  # host shard: to the device first (a fresh staging buffer, freed after the gather)
+            src = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device).copy_(self.shard,
+                                                                                              non_blocking=True)
+        self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
                                          tag=f"unshard_bucket{self.index}")
 
     def _what(self) -> str:
@@ -324,7 +340,7 @@ class Bucket:
         with torch.no_grad():
             # a host master (offload) is pinned on CUDA: the copy back is asynchronous, ordered before the gather
             if self.spec.shards_params:  # the next forward gathers; only the master needs copying into the shard
-                if self.master is not None:
+                if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
                     self.shard[: self.owned_numel].copy_(self.master, non_blocking=self.offload)
                 return None
             if self.master is not None:
@@ -356,16 +372,21 @@ class Bucket:
         self.set_state(GradState.EMPTY)
 
     # ------------------------------------------------------------------ accounting
+    def shard_ptr(self) -> int:
+        return self.shard.data_ptr() if self.shard is not None else -1
+
     def tensor_bytes(self) -> dict[str, int]:
         def nb(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
         shard_grad = self.shard_param.grad
-        if self.offload:  # ``on_host``: the part of the others in host memory (the master and its gradient)
-            return {"params": nb(self.shard) if self.spec.shards_params else nb(self.flat_param),
-                    "gathered_params": nb(self.flat_param) if self.spec.shards_params else 0,
-                    "grads": nb(self.grad_buf) + nb(self.host_grad), "master": nb(self.master),
-                    "accumulators": nb(self.accum), "on_host": nb(self.master) + nb(self.host_grad)}
+        if self.offload or self.offload_params:  # ``on_host``: the part of the others in host memory
+            master = 0 if self.master is not None and self.master.data_ptr() == self.shard_ptr() else nb(self.master)
+            shard = nb(self.shard) if self.spec.shards_params else nb(self.flat_param)
+            return {"params": shard, "gathered_params": nb(self.flat_param) if self.spec.shards_params else 0,
+                    "grads": nb(self.grad_buf) + nb(self.host_grad), "master": master,
+                    "accumulators": nb(self.accum),
+                    "on_host": master + nb(self.host_grad) + (shard if self.offload_params else 0)}
         aliased = shard_grad is not None and self.grad_buf is not None and \
             shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)

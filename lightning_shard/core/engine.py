@@ -47,7 +47,8 @@ class ShardEngine:
                  replicate_group: C.Group = None, overlap_param_gather: bool = True,
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
                  debug_collectives: bool = False, gather_group: C.Group = None,
-                 param_dtype: Optional[str] = None, offload_optimizer: bool = False) -> None:
+                 param_dtype: Optional[str] = None, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -70,6 +71,10 @@ class ShardEngine:
         self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
         self.param_dtype = parse_param_dtype(param_dtype)
         self.offload_optimizer = bool(offload_optimizer)
+        self.offload_params = bool(offload_params)
+        if self.offload_params and not (self.spec.shards_params and self.offload_optimizer):
+            raise ValueError("offload_params keeps the parameter shards in host memory, where the optimizer steps "
+                             "them: it needs parameter sharding (zero3 or fsdp_shard) and offload_optimizer=True")
         if self.param_dtype is not None and self.reduce_dtype is None:
             self.reduce_dtype = torch.float32  # the policy computes in param_dtype and reduces in fp32 by default
         self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
@@ -155,7 +160,7 @@ class ShardEngine:
         return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, spec=self.spec,
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
-                      offload=self.offload_optimizer)
+                      offload=self.offload_optimizer, offload_params=self.offload_params)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

@@ -32,6 +32,25 @@ class BackwardSchedule:
             self._catch_up_backward(self.units[self.bwd_order[k]])
             self._bcur = k + 1
 
+    def _recompute(self, unit: Unit) -> None:
+        """Activation checkpointing runs ``unit``'s forward again inside backward (a module of a checkpointed block;
+        the block's own hooks stay outside the checkpoint). Its weights are needed now, so it is gathered in the
+        order of the backward schedule, at most once per backward: a unit whose backward came first (fsdp_shard's
+        block unit) is already gathered, and the others of a zero3 block are issued as the recomputation reaches
+        them, then used by their own backward without a second gather. Nothing is freed here (the post-forward hook
+        returns too) and no output is hooked: backward frees the unit as without checkpointing. A unit outside the
+        schedule (a frozen unit before the first trainable one, which needs no backward of its own) joins it in the
+        first backward like any unit that turned out to need one, so later steps prefetch it in order."""
+        while unit.host is not None:  # gathered with the unit whose code uses it
+            unit = unit.host
+        if unit in self.step_units:
+            self._materialize(unit)
+        elif unit.index not in self._bpos:
+            self._unplanned(unit, "a checkpointed block recomputed it in backward", backward=True)
+        else:
+            self._advance_backward_to(unit)
+            self._materialize(unit)
+
     def _catch_up_backward(self, unit: Unit) -> None:
         self._issue(unit)
         if not unit.ran and not unit.backward_prepared:

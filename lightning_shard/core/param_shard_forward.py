@@ -21,9 +21,8 @@ class ForwardHooks:
             if self.state is not ControllerState.TRAINING:
                 return
             with self._quiet():
-                if autograd_running():  # recomputation in backward (activation checkpointing)
-                    self._advance_backward_to(unit)
-                    self._materialize(unit)  # gathered again if it was freed, e.g. a nested unit of the block
+                if autograd_running():  # a checkpointed block's forward recomputed inside backward
+                    self._recompute(unit)  # in the backward schedule; not a forward of the pass
                     return
                 self._stack.append(unit)
                 p = self._pass

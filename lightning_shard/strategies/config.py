@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from ..core.config import parse_reduce_dtype
+from ..core.activation import validate_spec
+from ..core.config import parse_param_dtype, parse_reduce_dtype
 from .layout import validate_shard_size
 
 
@@ -55,6 +56,20 @@ class ZeroConfig:
         buckets). Larger buckets: fewer collectives; smaller: earlier overlap with backward.""")
     reduce_dtype: Optional[str] = knob(None, """``None`` (fp32 reduction, default) or ``"bf16"``/``"fp16"``/``"fp32"``
         to reduce gradients in that precision.""", choices=(None, "fp32", "bf16", "fp16"))
+    param_dtype: Optional[str] = knob(None, """Mixed-precision policy for fp32 models (as FSDP2's
+        ``MixedPrecisionPolicy``): ``"bf16"``/``"fp16"`` keep each rank's owned elements as fp32 masters (the optimizer
+        steps them) and hold, gather and compute the parameters in that dtype (half the parameter all-gather bytes
+        and half the full-parameter memory); a module's floating inputs are cast to it; gradients reduce in fp32
+        unless ``reduce_dtype`` says otherwise; after fit the module holds the fp32 masters again. Needs
+        ``Trainer(precision="32-true")`` (or ``"bf16-mixed"``; ``"fp16"`` needs ``"16-mixed"`` for loss scaling).
+        zero0-2: every floating parameter must be trained (frozen ones: use zero3/fsdp_shard). ``None``: off.""",
+                                      choices=(None, "fp32", "bf16", "fp16"))
+    offload_optimizer: bool = knob(False, """ZeRO-Offload: keep each rank's fp32 master shard, its gradient and the
+        optimizer state in host memory (pinned on CUDA) and step the optimizer on the CPU; the averaged gradient shard
+        is copied out after its reduction and the updated shard copied back before the parameter all-gather. Saves
+        on the accelerator the optimizer state (8 bytes per parameter / N for Adam) and the fp32 masters of bf16
+        parameters (4 / N); costs two copies of the shard per step and a CPU optimizer step. (On a CPU-only machine
+        host memory is the only memory: the same code runs, with nothing saved.)""")
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
     broadcast_buffers: bool = knob(True, "Broadcast buffers (BatchNorm statistics) from rank 0 after every "
                                          "optimizer step.")
@@ -93,6 +108,11 @@ class ZeroConfig:
         that name). One small all-reduce per step when set. fp16 always uses agreed loss scaling instead.""")
     debug_collectives: bool = knob(False, """Check at every optimizer step that all ranks issued the same collectives
         (a desync names the first differing one). Model fingerprints are always compared at setup.""")
+    activation_checkpointing: Any = knob(None, """Recompute activations in backward instead of keeping them: ``None``
+        (off), ``"auto"`` (the blocks held in ``nn.ModuleList``s, as ``wrap_classes="auto"`` finds them) or module
+        classes / class names (``["GPT2Block"]``). Each block's training forward runs under non-reentrant
+        ``torch.utils.checkpoint``, replaced on the instance (parameter names and checkpoints unchanged); stage 3
+        gathers each unit once in backward, the recomputation included. Logged once at setup (core/activation.py).""")
 
     # ------------------------------------------------------------------ the knobs, as data
     @classmethod
@@ -141,6 +161,7 @@ class ZeroConfig:
             if not _is_seconds(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         parse_reduce_dtype(self.reduce_dtype)  # also takes torch dtypes and long names ("bfloat16")
+        parse_param_dtype(self.param_dtype)
         validate_shard_size(self.shard_size)
         if self.shard_size is not None and stage == 0:
             raise ValueError("zero0 replicates everything, so there is nothing to shard inside a group: "
@@ -149,9 +170,12 @@ class ZeroConfig:
         if not _is_mib(self.optim_chunk_mb):
             raise ValueError(f"optim_chunk_mb must be a positive number of MiB, got {self.optim_chunk_mb!r}")
         self._check_choice("state_dict_type")
+        if not isinstance(self.offload_optimizer, bool):
+            raise ValueError(f"offload_optimizer must be True or False, got {self.offload_optimizer!r}")
         if self.skip_nonfinite not in (None, True, False):
             raise ValueError(f"skip_nonfinite must be None (no check), True (skip the step with a warning) or False "
                              f"(raise), got {self.skip_nonfinite!r}")
+        self.activation_checkpointing = validate_spec(self.activation_checkpointing)  # classes: matched at setup
         self.bucket_mb, self.optim_chunk_mb = float(self.bucket_mb), float(self.optim_chunk_mb)
         return self
 
@@ -175,6 +199,9 @@ class Zero3Config(ZeroConfig):
     reshard_after_forward: bool = knob(True, """Free a unit's full parameters after its forward (full shard); False
         keeps them until its backward (ZeRO-2-like traffic, more memory).""")
     prefetch_depth: int = knob(1, "Units all-gathered ahead of use, in forward and in backward (0 disables).")
+    offload_params: bool = knob(False, """ZeRO-Offload of the parameters too (with ``offload_optimizer=True``): each
+        unit's persistent shard lives in host memory (pinned on CUDA) and is copied to the device just before its
+        all-gather, so the accelerator holds only the gathered units (and gradients in flight).""")
     param_init_fn: Optional[Callable] = _param_init_fn()
     leaf_modules: Any = knob(None, """Module classes, class names or FQNs whose whole subtree is one unit, gathered in
         the leaf's own forward (a mixture-of-experts block, a module whose code reads its children's weights). A
@@ -193,6 +220,11 @@ class Zero3Config(ZeroConfig):
                              f"{self.leaf_modules!r}")
         if isinstance(self.leaf_modules, (list, tuple)):
             self.leaf_modules = list(self.leaf_modules)
+        if self.offload_params not in (True, False):
+            raise ValueError(f"offload_params must be True or False, got {self.offload_params!r}")
+        if self.offload_params and self.offload_optimizer is not True:
+            raise ValueError("offload_params=True keeps the parameter shards in host memory, where the optimizer "
+                             "steps them: set offload_optimizer=True too")
         super().validate(owner)
         return self
 

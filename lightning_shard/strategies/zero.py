@@ -23,9 +23,11 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from ..core import activation
 from ..core import collectives as C
+from ..core.config import parse_param_dtype
 from ..core.engine import ShardEngine, sync_module_states
 from . import summary
 from .checkpointing import CheckpointMixin
@@ -86,6 +88,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self.accumulation_policy: Optional[str] = None
         self.accumulation_reason: str = ""
         self._masters_from_checkpoint: dict[str, torch.Tensor] = {}
+        self._checkpointing: Optional[activation.ActivationCheckpointing] = None
 
     # ------------------------------------------------------------------ Lightning surface
     @property
@@ -175,6 +178,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self._place_model(fitting)
         if fitting:
             self.setup_optimizers(trainer)
+            self._checkpoint_activations()
             policy, reason = self._resolve_accumulation(trainer)
             self.accumulation_policy, self.accumulation_reason = policy, reason
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
@@ -188,7 +192,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                                       optim_chunk_mb=self.optim_chunk_mb, skip_nonfinite=self.skip_nonfinite,
                                       debug_collectives=self.debug_collectives,
                                       overlap_param_gather=self.overlap_param_gather,
-                                      gather_group=self._groups.gather)
+                                      gather_group=self._groups.gather, param_dtype=self._param_dtype(),
+                                      offload_optimizer=self.offload_optimizer,
+                                      offload_params=getattr(self, "offload_params", False))
             if self.engine.plan_summary:
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
             if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout
@@ -200,8 +206,36 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         else:
             sync_module_states(self.model, None)
         self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting:  # offload_optimizer: the optimizer state belongs in host memory, beside the master shards
+            _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offload_optimizer else self.root_device)
+
+    def _param_dtype(self) -> Optional[str]:
+        """``param_dtype``, checked against the Trainer's precision (the policy is for fp32 parameters; fp16
+        compute needs the loss scaling of ``"16-mixed"``)."""
+        dtype = parse_param_dtype(self.param_dtype)
+        if dtype is None:
+            return None
+        precision = self.precision_plugin.precision
+        if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+            raise ValueError(f"param_dtype={self.param_dtype!r} is a mixed-precision policy for fp32 parameters, but "
+                             f"Trainer(precision={precision!r}) already sets the parameters' dtype; use "
+                             "precision='32-true' (or 'bf16-mixed'/'16-mixed') with param_dtype, or drop param_dtype.")
+        if dtype is torch.float16 and precision != "16-mixed":
+            raise ValueError("param_dtype='fp16' needs loss scaling against fp16 gradient underflow: use "
+                             "Trainer(precision='16-mixed') with it, or param_dtype='bf16'.")
+        return self.param_dtype
+
+    def _checkpoint_activations(self) -> None:
+        """``activation_checkpointing``: the chosen blocks' forwards recompute in backward (before the engine hooks
+        the modules; core/activation.py). Undone in teardown."""
+        if self._checkpointing is not None:
+            self._checkpointing.remove()
+            self._checkpointing = None
+        if self.activation_checkpointing is None:
+            return
+        self._checkpointing = activation.apply(self.model, self.activation_checkpointing)
+        (rank_zero_info if self._checkpointing.modules else rank_zero_warn)(
+            f"lightning_shard {type(self).strategy_name}: {self._checkpointing.describe()}")
 
     def _unit_config(self) -> Any:
         return None  # stage 3 strategies return a UnitConfig
@@ -282,7 +316,13 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return torch.stack(C.all_gather_list(tensor.detach().contiguous(), group=group, tag="strategy"))
 
     def teardown(self) -> None:
+        if self._checkpointing is not None:  # the module's own forwards again
+            self._checkpointing.remove()
+            self._checkpointing = None
         if self.engine is not None:
+            trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+            if not (trainer is not None and trainer.interrupted):  # collective: not after a failure
+                self.engine.restore_source_dtype()  # param_dtype: the module holds the fp32 masters again
             self.engine.remove_hooks()
         super().teardown()
 

@@ -1,0 +1,108 @@
+"""ZeRO-Offload (``offload_optimizer=True``, issue 15): the fp32 master shard, its gradient and the optimizer state
+in host memory, the optimizer stepping on the CPU.
+
+On this CPU-only machine host memory is the only memory, so the same code path runs with separate host buffers:
+the tests prove that offloading changes nothing in the result (bit-identical weights to the same strategy without
+it, and <= 1e-5 to one process), in gradient clipping, with the bf16 policy, and across checkpoints both ways; the
+CUDA-only parts (pinned buffers) are checked when a GPU is present and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.foreign import diff, fit_foreign, reference_state
+from tests.mixed_scenarios import fit_policy, offload_layout
+from tests.scenarios import fit_zero
+from tests.zoo import max_diff, params_of
+
+STEPS = 4
+ALL = ["zero0", "zero1", "zero2", "zero3", "fsdp_shard"]
+
+
+@pytest.mark.parametrize("acc", [1, 3])
+@pytest.mark.parametrize("strategy", ALL)
+def test_offload_changes_nothing_in_the_weights(worlds, strategy, acc):
+    off = worlds(2).run(fit_foreign, "hf_gpt2", strategy, STEPS, acc, "adam", {"offload_optimizer": True})[0]
+    on = worlds(2).run(fit_foreign, "hf_gpt2", strategy, STEPS, acc, "adam", {})[0]
+    assert diff(off["state"], on["state"]) == 0.0  # the same arithmetic, on other buffers
+    d = diff(off["state"], reference_state("hf_gpt2", STEPS, acc, 2, "adam"))
+    assert d <= 1e-5, f"{strategy} acc={acc}: max |diff| to one process {d:.3e}"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_offload_with_the_bf16_policy(worlds, strategy):
+    off = worlds(2).run(fit_policy, "hf_gpt2", strategy, STEPS, 2, "bf16", offload_optimizer=True)[0]
+    on = worlds(2).run(fit_policy, "hf_gpt2", strategy, STEPS, 2, "bf16")[0]
+    assert off["state_dtypes"] == ["torch.float32"] and diff(off["state"], on["state"]) == 0.0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_with_gradient_clipping(worlds, stage):
+    kw = {"clip": 0.05, "optimizer": "adam", "model": "tiny_lm"}
+    off = worlds(2).run(fit_zero, stage, "auto", 2, strategy_kwargs={"offload_optimizer": True}, **kw)[0]
+    on = worlds(2).run(fit_zero, stage, "auto", 2, **kw)[0]
+    assert off["norms"] == on["norms"] and len(on["norms"]) > 0  # the clipping norm, computed from host shards
+    assert max_diff(params_of(off["state"]), params_of(on["state"])) == 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_master_and_optimizer_state_live_in_separate_host_buffers(worlds, stage):
+    off = worlds(2).run(offload_layout, stage, True)[0]
+    on = worlds(2).run(offload_layout, stage, False)[0]
+    assert off["separate"]  # the optimizer steps its own buffer, not a view of the module's parameters
+    assert off["state_numel"] == on["state_numel"] == 2 * off["owned"]  # AdamW: exp_avg + exp_avg_sq of the shard
+    rep = off["report"]
+    # in host memory: the fp32 master shard, its gradient and the optimizer state
+    assert rep["on_host"] == 4 * off["owned"] * 2 + rep["optimizer_state"], rep
+    assert on["report"]["on_host"] == 0
+    assert rep["optimizer_state"] == on["report"]["optimizer_state"]
+    if torch.cuda.is_available():  # only a GPU run puts the parameters elsewhere
+        assert off["state_devices"] == ["cpu"] and all(off["pinned"])
+
+
+def test_offload_checkpoints_resume_both_ways(worlds, tmp_path):
+    from tests.ckpt_scenarios import fit_ckpt
+
+    straight = worlds(2).run(fit_ckpt, "zero2", 6, ckpt_dir=str(tmp_path / "a"), optimizer="adam",
+                             offload_optimizer=True)[0]
+    ckpt = str(tmp_path / "a" / "epoch=0-step=3.ckpt")
+    again = worlds(2).run(fit_ckpt, "zero2", 6, resume_from=ckpt, optimizer="adam", offload_optimizer=True)[0]
+    assert again["first"] == (3, 1, 0) and max_diff(again["state"], straight["state"]) == 0.0
+    plain = worlds(2).run(fit_ckpt, "zero3", 6, resume_from=ckpt, optimizer="adam")[0]  # no offload
+    assert max_diff(params_of(plain["state"]), params_of(straight["state"])) <= 1e-5
+    back = worlds(2).run(fit_ckpt, "zero3", 6, ckpt_dir=str(tmp_path / "b"), optimizer="adam")[0]
+    resumed = worlds(2).run(fit_ckpt, "zero1", 6, resume_from=str(tmp_path / "b" / "epoch=0-step=3.ckpt"),
+                            optimizer="adam", offload_optimizer=True)[0]
+    assert max_diff(params_of(resumed["state"]), params_of(back["state"])) <= 1e-5
+
+
+def test_bad_value():
+    from lightning_shard.strategies import Zero2Strategy
+
+    with pytest.raises(ValueError, match="offload_optimizer must be True or False"):
+        Zero2Strategy(offload_optimizer="yes")
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp_shard"])
+def test_offload_params_changes_nothing_in_the_weights(worlds, strategy):
+    kw = {"offload_optimizer": True, "offload_params": True}
+    off = worlds(2).run(fit_foreign, "hf_gpt2", strategy, STEPS, 3, "adam", kw)[0]
+    on = worlds(2).run(fit_foreign, "hf_gpt2", strategy, STEPS, 3, "adam", {})[0]
+    assert diff(off["state"], on["state"]) == 0.0
+
+
+def test_offload_params_keeps_shards_in_separate_host_buffers(worlds):
+    off = worlds(2).run(offload_layout, 3, True, True)[0]
+    rep = off["report"]
+    # on the host: the shard (the fp32 master itself: one copy, not two), its gradient, the optimizer state
+    assert rep["master"] == 0 and rep["on_host"] == rep["params"] + 4 * off["owned"] + rep["optimizer_state"], rep
+    assert off["staged"]  # the gather read a device copy of the shard, not the host buffer itself
+
+
+def test_offload_params_needs_stage_3_and_offload_optimizer():
+    from lightning_shard.strategies import Zero3Strategy
+
+    with pytest.raises(ValueError, match="set offload_optimizer=True too"):
+        Zero3Strategy(offload_params=True)
