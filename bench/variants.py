@@ -9,8 +9,9 @@ Every variant trains one model under AdamW; only the strategy (and for ``zero_r`
 Knobs of the lightning_shard variants: the zero12 / zero3 / unused suites pass ``accumulation`` and
 ``find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every strategy with its default
 knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class), and on request
-(``--variants``, :data:`OPT_IN`) ``zero2_ac``/``zero3_ac``/``fsdp_shard_ac``: the same with
-``activation_checkpointing="auto"``.
+(``--variants``, :data:`OPT_IN`) the same with the knobs of a suffix (:data:`SUFFIXES`): ``_ac``
+(``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload`` (``offload_optimizer``),
+``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``).
 """
 
 from __future__ import annotations
@@ -18,20 +19,36 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask",
-        "zero2_ac", "zero3_ac", "fsdp_shard_ac")  # ShardEngine + LEDGER
-STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask", "zero3_ac", "fsdp_shard_ac")  # ours, parameters sharded (3 passes
-# of parameter bytes per step)
+# ``<strategy><suffix>``: the strategy with the knobs of each suffix (peak suite, opt-in): activation checkpointing,
+# the bf16 mixed-precision policy, ZeRO-Offload of the optimizer (and, for stage 3, of the parameter shards too)
+SUFFIXES: dict[str, dict[str, Any]] = {
+    "_ac": {"activation_checkpointing": "auto"},
+    "_bf16": {"param_dtype": "bf16"},
+    "_offload": {"offload_optimizer": True},
+    "_offload_all": {"offload_optimizer": True, "offload_params": True},
+}
+_KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
+            "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all")
+OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
+STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
+# ours with parameters sharded (3 passes of parameter bytes per step)
 SUITES = {
     "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
     "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
     "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
     "peak": ("ddp", "zero0", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
 }
-# variants a suite runs only when ``--variants`` names them (the default table stays as it is): the peak suite's
-# ``<strategy>_ac``, the same strategy with activation_checkpointing="auto" (every transformer block recomputed in
-# backward), e.g. ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac fsdp_shard fsdp_shard_ac``
-OPT_IN = {"peak": ("zero2_ac", "zero3_ac", "fsdp_shard_ac")}
+# variants a suite runs only when ``--variants`` names them (the default table stays as it is), e.g.
+# ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac zero3_bf16 zero3_offload zero3_offload_all``
+OPT_IN = {"peak": _KNOBBED}
+
+
+def split_variant(variant: str) -> tuple[str, dict[str, Any]]:
+    """``"zero3_offload_all"`` -> ``("zero3", {"offload_optimizer": True, "offload_params": True})``."""
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if variant.endswith(suffix) and variant in _KNOBBED:
+            return variant[: -len(suffix)], dict(SUFFIXES[suffix])
+    return variant, {}
 
 
 def suite_variants(suite: str) -> tuple[str, ...]:
@@ -58,6 +75,13 @@ NOTES = {
     "zero2_ac": "zero2 with activation_checkpointing='auto' (every block's forward recomputed in backward)",
     "zero3_ac": "zero3 with activation_checkpointing='auto'",
     "fsdp_shard_ac": "fsdp_shard with activation_checkpointing='auto'",
+    "zero2_bf16": "zero2 with param_dtype='bf16' (fp32 masters; parameters held, gathered, computed in bf16)",
+    "zero3_bf16": "zero3 with param_dtype='bf16'",
+    "fsdp_shard_bf16": "fsdp_shard with param_dtype='bf16'",
+    "zero2_offload": "zero2 with offload_optimizer=True (master shard, its grad, AdamW state in host memory)",
+    "zero3_offload": "zero3 with offload_optimizer=True",
+    "fsdp_shard_offload": "fsdp_shard with offload_optimizer=True",
+    "zero3_offload_all": "zero3 with offload_optimizer=True and offload_params=True (shards in host memory too)",
 }
 
 
@@ -186,8 +210,7 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
     if variant == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                      process_group_backend="gloo", save_distributed_checkpoint=True)
-    # ``<strategy>_ac``: the strategy with activation_checkpointing="auto" (peak suite)
-    base, ac = (variant[:-3], {"activation_checkpointing": "auto"}) if variant.endswith("_ac") else (variant, {})
+    base, ac = split_variant(variant)  # ``<strategy><suffix>``: the strategy with the suffix's knobs (peak suite)
     cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
            "zero2_nomask": Zero2Strategy}.get(base)
     if getattr(args, "suite", None) == "peak":  # default knobs (bucket_mb as the other suites pass it)
