@@ -58,8 +58,42 @@ def test_master_and_optimizer_state_live_in_separate_host_buffers(worlds, stage)
     assert rep["on_host"] == 4 * off["owned"] * 2 + rep["optimizer_state"], rep
     assert on["report"]["on_host"] == 0
     assert rep["optimizer_state"] == on["report"]["optimizer_state"]
-    if torch.cuda.is_available():  # only a GPU run puts the parameters elsewhere
-        assert off["state_devices"] == ["cpu"] and all(off["pinned"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned host buffers and streams")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_cuda_the_host_side_is_pinned_and_the_step_matches(stage):
+    """One process (no process group): the module on the GPU, the master shard, its gradient and the optimizer
+    state on the host, pinned; the weights after three AdamW steps equal the same engine without offload."""
+    from torch import nn
+
+    from lightning_shard.core.engine import ShardEngine
+
+    out = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        engine = ShardEngine(model, [opt], stage=stage, offload_optimizer=offload,
+                             offload_params=offload and stage == 3)
+        x = torch.randn(3, 8, device="cuda")
+        for _ in range(3):
+            engine.pre_backward()
+            model(x).square().mean().backward()
+            engine.post_backward()
+            engine.prepare_step(opt)
+            opt.step()
+            engine.finish_step(opt)
+        engine.wait_params()
+        if offload:
+            b = engine.buckets[0]
+            state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() >= 1]
+            assert b.master.device.type == "cpu" and b.master.is_pinned() and b.host_grad.is_pinned()
+            assert state and all(t.device.type == "cpu" for t in state)
+        state = engine.gather_full() if stage == 3 else model.state_dict()  # stage 2: the module's own
+        out.append({k: v.detach().cpu() for k, v in state.items()})
+        engine.remove_hooks()
+    assert out[0].keys() == out[1].keys() and all(torch.equal(out[0][k], out[1][k]) for k in out[0])
 
 
 def test_offload_checkpoints_resume_both_ways(worlds, tmp_path):
