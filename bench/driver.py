@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from peak import PEAK_MALLOC_ENV, code_state, peak_fields, sizes_of
+from peak import PEAK_MALLOC_ENV, add_planner, code_state, peak_fields, sizes_of
 from report import MARKDOWN
-from variants import ALL_SUITES, MODELS, NOTES, SUITES, VARIANTS, model_param_count, unit_param_counts
+from variants import ALL_SUITES, MODELS, NOTES, SUITES, VARIANTS, model_param_count, suite_variants, unit_param_counts
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -115,7 +115,7 @@ def run_all(args: argparse.Namespace) -> None:
     done: dict[str, tuple[str, dict[str, Any]]] = {}  # variant -> (suite that ran it, merged result)
     written = []
     for suite in args.suites:
-        variants = [v for v in SUITES[suite] if v in args.variants]
+        variants = [v for v in suite_variants(suite) if v in args.variants]
         if not variants:
             print(f"suite {suite}: no selected variant, skipped", flush=True)
             continue
@@ -131,6 +131,8 @@ def run_all(args: argparse.Namespace) -> None:
                       f"heads: {n / 1e6:.1f}M params", flush=True)
             tag = "" if not i else f"{size_args.n_layer}x{size_args.n_embd}."
             results = run_suite(size_args, suite, variants, tmp, env, done, tag)
+            if suite == "peak":  # the planner's prediction for the same job beside the measurement
+                add_planner(size_args, results)
             row_sets.append({"model": model_info(size_args), "results": results,
                              "wall_s": time.perf_counter() - t_set})
         wall = time.perf_counter() - t_suite
@@ -368,7 +370,8 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
     if args.variants is None:
         args.variants = list(dict.fromkeys(in_suites))
     elif not args.variant:
-        stray = [v for v in args.variants if v not in in_suites]
+        runnable = {x for s in args.suites for x in suite_variants(s)}  # the tables' variants and the opt-in ones
+        stray = [v for v in args.variants if v not in runnable]
         if stray:
             p.error(f"variant(s) {stray} are not in suite {args.suite}; use --suite all or the suite that has them")
     if (args.out_json or args.out_md) and len(args.suites) > 1:

@@ -9,6 +9,15 @@ Formula (per rank, fp32, AdamW with two fp32 states, Psi parameters, N ranks): s
 parameters a further (N-1)/N x 4 Psi (stage 3 against zero2), less the full parameters gathered while a unit runs
 (not subtracted here). The table puts the measured saving, the formula's and their ratio side by side; it does not
 judge them.
+
+Planner (``lightning_shard.planner``, :func:`planner_predictions`): for each of our strategies (ddp as the planner's
+zero0, the same model states; DDP's reducer buckets, a second copy of the gradients, are not modelled; fsdp2 is a
+peer the planner does not model) ``memory.peak_bytes`` for the same job, built from a meta-device copy of the model
+with the bench's optimizer groups. Its ``total - at_setup`` is the predicted peak *above* what exists once the
+strategy is set up (parameters as the engine lays them out): that is added to each rank's measured baseline (VmRSS at
+train start, an input here) and compared with the measured training-window peak. What the prediction does not
+contain: memory other than tensors that the first steps add to the process (library pages faulted in, the
+allocator's and gloo's own buffers), ~32 MiB per rank here (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from variants import OURS
+from variants import OURS, block_class, build_model
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
@@ -138,8 +147,9 @@ def row_set(res: dict[str, Any], model: dict[str, Any], world: int, suite: str) 
         "peak of the warmup + timed steps alone, the same savings on it.",
         "",
         "| variant | setup peak MiB/rank (VmHWM at train start) | training-window peak MiB/rank | "
-        "window peak - baseline | saving vs zero0 | measured/formula | saving vs rung | measured/formula | HWM reset |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "window peak - baseline | saving vs zero0 | measured/formula | saving vs rung | measured/formula | HWM reset | "
+        "planner MiB/rank (baseline + predicted) | measured/planner | window peak - baseline: measured/predicted |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for v, r in res.items():
         if "error" in r:
@@ -156,7 +166,8 @@ def row_set(res: dict[str, Any], model: dict[str, Any], world: int, suite: str) 
             f"{_mib(s0) if v != 'zero0' else '(reference)'} | "
             f"{_ratio(s0, None if f0 is None else f0 / MIB) if v != 'zero0' else '-'} | "
             f"{_mib(sr) if rung else '-'} | {_ratio(sr, None if fr is None else fr / MIB) if rung else '-'} | "
-            f"{'yes' if reset and all(reset) else 'no' if reset else '?'} |")
+            f"{'yes' if reset and all(reset) else 'no' if reset else '?'} | {_planner_cells(r)} |")
+    lines += _planner_notes(res)
     exits = [f"{v}: rc={r['exit_error']['rc']} ({r['exit_error']['error_line'] or 'no message'})"
              for v, r in res.items() if r.get("exit_error")]
     if exits:
@@ -230,6 +241,121 @@ def markdown_peak(doc: dict[str, Any]) -> str:
             lines.append("")
         lines += row_set(res, model, world, doc["suite"])
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ the planner's prediction beside the measurement
+def _planner_cells(r: dict[str, Any]) -> str:
+    p = r.get("planner")
+    if not p:
+        return "n/a | n/a | n/a"
+    if "error" in p:
+        return f"error: {p['error']} | | "
+    return (f"{_ranks(p['predicted_peak_mib_per_rank'])} | {_ranks(p['measured_over_predicted_per_rank'], 2)} | "
+            f"{_ranks(p['growth_measured_over_predicted_per_rank'], 2)}")
+
+
+# peak_bytes terms of each moment (MiB), as a reader adds them up
+_TERMS = {"backward_start": (("activations", "activations"), ("start_gathered", "units gathered for backward"),
+                             ("pinned", "forward-gathered buffers autograd still holds"),
+                             ("start_grads", "full gradient buffers")),
+          "backward_end": (("gradients", "full gradients + in flight"), ("gathered", "gathered units")),
+          "step": ()}
+
+
+def _planner_notes(res: dict[str, Any]) -> list[str]:
+    parts = []
+    for v, r in res.items():
+        p = r.get("planner") if "error" not in r else None
+        if not p or "error" in p:
+            continue
+        t = p["terms_mib"]
+        moment = p["moment"].replace("_", " ")
+        a = p.get("activations") or {}
+        labels = {"activations": f"activations ({a['layers']} layers x {a['per_layer_mib']:.1f} + output layer "
+                                 f"{a['output_layer_mib']:.1f})"} if a.get("layers") else {}
+        terms = " + ".join(f"{labels.get(k, label)} {t[k]:.1f}" for k, label in _TERMS[p["moment"]] if t.get(k))
+        parts.append(f"{v} = planner {p['config']}: {p['predicted_above_setup_mib']:.1f} = persistent above setup "
+                     f"{t['persistent'] - t['at_setup']:.1f} + {moment} {t[p['moment']]:.1f} ({terms})")
+    if not parts:
+        return []
+    return ["", "Planner (`lightning_shard.planner.memory.peak_bytes`, same job; ddp is its zero0): predicted peak "
+                "above the train-start baseline, MiB/rank = persistent states not yet there at train start (the "
+                "optimizer state) + the largest moment (start of backward, end of backward, "
+                "optimizer step); planner MiB/rank = each rank's measured baseline + that. " + "; ".join(parts) + "."]
+
+
+def planner_config(args: argparse.Namespace, variant: str) -> Optional[Any]:
+    """The planner's ``StrategyConfig`` for a variant as the bench builds it (``variants.make_strategy``, default knobs:
+    accumulation ``auto`` is ``recommend.auto_policy`` at accumulation 1); None where the planner has no such row."""
+    from lightning_shard.planner.config import StrategyConfig
+    from lightning_shard.planner.recommend import auto_policy
+
+    name = {"ddp": "zero0"}.get(variant, variant)  # Lightning DDP: the same model states as zero0
+    stage = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}.get(name)
+    if stage is None:  # fsdp2 (a peer), activation-checkpointing variants (not modelled), ...
+        return None
+    policy = auto_policy(stage, 1, 0.0)[0]
+    if stage < 3:
+        return StrategyConfig(name, stage, policy, bucket_mb=args.bucket_mb)
+    return StrategyConfig(name, 3, policy, wrap_classes=(block_class(args),) if name == "fsdp_shard" else None)
+
+
+def planner_predictions(args: argparse.Namespace, variants: list[str]) -> dict[str, dict[str, Any]]:
+    """``memory.peak_bytes`` per variant for the bench's job: its model on the meta device, AdamW over the bench's two
+    param groups (weight decay on >= 2-D parameters), ``args.devices`` CPU ranks, micro-batch ``batch_size`` x
+    ``block_size`` tokens, fp32, accumulation 1."""
+    import torch
+
+    from lightning_shard.planner.recommend import plan
+    from lightning_shard.planner.stats import activation_bytes_per_layer
+
+    cfgs = {v: c for v in variants if (c := planner_config(args, v)) is not None}
+    if not cfgs:
+        return {}
+    with torch.device("meta"):
+        model = build_model(args)
+    params = list(model.parameters())
+    groups = [[[p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]]]
+    res = plan(model, None, args.devices, args.devices * args.batch_size, args.batch_size, "32-true",
+               optimizer_groups=groups, seq=args.block_size, optimizer="adamw",
+               configs=list(dict.fromkeys(cfgs.values())), require_fit=False)
+    rows = {r.config: r for r in res.rows}
+    shape = res.context.shape
+    layer = activation_bytes_per_layer(shape, args.batch_size, 4) if shape is not None else 0.0
+    acts = {"layers": shape.layers if shape else 0, "per_layer_mib": round(layer / MIB, 2),
+            "output_layer_mib": round((res.context.activations - (shape.layers if shape else 0) * layer) / MIB, 2)}
+    out = {}
+    for v, c in cfgs.items():
+        mem = rows[c].memory
+        moment = max(("backward_start", "backward_end", "step"), key=lambda k: mem[k])
+        kwargs = {k: [getattr(x, "__name__", str(x)) for x in w] if k == "wrap_classes" and not isinstance(w, str)
+                  else w for k, w in c.kwargs().items()}  # JSON: classes by name
+        out[v] = {"config": c.label, "strategy": c.registered, "kwargs": kwargs, "moment": moment,
+                  "terms_mib": {k: round(x / MIB, 2) for k, x in mem.items()}, "activations": acts,
+                  "predicted_total_mib": round(mem["total"] / MIB, 2),
+                  "predicted_above_setup_mib": round((mem["total"] - mem["at_setup"]) / MIB, 2)}
+    return out
+
+
+def add_planner(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
+    """Put the planner's prediction (``planner``) into each result row, beside the measured baseline and peak."""
+    try:
+        preds = planner_predictions(args, [v for v, r in results.items() if "error" not in r])
+    except Exception as exc:  # the bench reports what it measured whatever the planner does
+        preds = {v: {"error": f"{type(exc).__name__}: {exc}"[:200]} for v in results if planner_config(args, v)}
+    for v, p in preds.items():
+        r = results[v]
+        if "error" not in p:
+            above, base = p["predicted_above_setup_mib"], r.get("baseline_rss_mib_per_rank") or []
+            peaks = r.get("train_peak_rss_mib_per_rank") or []
+            pred = [None if b is None else round(b + above, 1) for b in base]
+            p["predicted_peak_mib_per_rank"] = pred
+            p["measured_over_predicted_per_rank"] = [None if m is None or q is None else round(m / q, 3)
+                                                     for m, q in zip(peaks, pred)]
+            p["growth_measured_over_predicted_per_rank"] = [
+                None if m is None or b is None or above <= 0 else round((m - b) / above, 3)
+                for m, b in zip(peaks, base)]
+        r["planner"] = p
 
 
 # ------------------------------------------------------------------ the run side of the peak suite (driver.py)

@@ -9,11 +9,29 @@ variance), SGD with momentum K = 4 (+4 master for half params), plain SGD K = 0.
 :func:`state_bytes` follows this engine's tensors instead (``Bucket.tensor_bytes``): padded flat buffers,
 fp32 masters of the owned elements for half-precision parameters, the reduced fp32 gradient shard the
 optimizer reads, the fp32 accumulator of ``per_micro_batch`` and the optimizer's state of the owned shard.
-:func:`peak_bytes` adds what exists only during a micro-batch: full gradient buffers (stages 0/1 hold them
-for the whole backward and across steps; stage 2 allocates a bucket's buffer at its first gradient and frees it
-once its reduce-scatter is done, so a communicating backward holds at most ``IN_FLIGHT + 1`` buckets, while an
-accumulating ``defer`` window holds them all), fp32 copies of half gradients in flight, gathered stage-3 units
-(root + the largest unit x (1 + prefetch depth), or every unit when parameters are kept), activations.
+:func:`peak_bytes` is the most bytes alive at any of three moments of a micro-batch, on top of the persistent
+states (parameters, fp32 masters, optimizer state, and the shard accumulators when an accumulation window holds
+them):
+
+* the start of backward, where activations peak (``stats.activation_bytes``: every layer's saved tensors, the
+  log-softmax output and the first two gradients of the loss); stages 0/1 hold their full gradient buffers here
+  (kept across steps), stage 3 its step units (the root: embeddings, tied head) gathered again for backward, their
+  full gradient buffers (attached before any of their gradients is computed) and the buffers the forward gathered
+  that autograd still holds (``PlannedBucket.linear_weight``: ``F.linear`` saves ``weight.t()``, a view of the
+  gathered flat buffer, so resharding after forward frees nothing until that matmul's backward has run);
+* the end of backward: full gradient buffers (stages 0/1 for the whole backward; stage 2 allocates a bucket's buffer
+  at its first gradient and frees it once its reduce-scatter is done, so a communicating backward holds at most
+  ``IN_FLIGHT + 1`` buckets, while an accumulating ``defer`` window holds them all; stage 3 keeps every unit's until
+  ``post_backward``), fp32 copies of half gradients and reduce-scatter outputs in flight, gathered stage-3 units
+  (root + the largest unit x (1 + prefetch depth), or every unit when parameters are kept);
+* the optimizer step: the gradients it reads (and stages 0/1's full buffers), the accumulators, and the update's
+  temporaries: torch's for-loop Adam(W) (the CPU default) allocates two tensors of one optimizer chunk
+  (``OPTIM_CHUNK_BYTES``, the strategies' ``optim_chunk_mb``: sqrt of the second moment and its quotient by the bias
+  correction); ``foreach`` (the CUDA default) allocates them for a whole param group at once, not modelled.
+
+``peak_bytes(...)["at_setup"]`` is what already exists once the strategy is set up, before the first step
+(parameters as the engine lays them out, masters): the peak above a process's memory at train start is ``total -
+at_setup`` (``bench/peak.py`` compares it with the measured per-rank peak that way).
 """
 
 from __future__ import annotations
@@ -102,11 +120,36 @@ def gathered_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
     return root + sum(rest[: 1 + cfg.prefetch_depth])  # root + current unit + prefetched units
 
 
+OPTIM_CHUNK_BYTES = 4 * 2**20  # the strategies' optim_chunk_mb default: the optimizer steps the shard in views of it
+
+
+def optimizer_temporaries(layout: PlannedLayout, job: Job, shard_rank: int = 0) -> int:
+    """Adam(W), torch's for-loop implementation: ``exp_avg_sq.sqrt()`` and its quotient by the bias correction, two
+    fp32 tensors of one optimizer chunk (the engine's chunks: ``OPTIM_CHUNK_BYTES``, at most one bucket's shard);
+    SGD with momentum updates in place."""
+    if not job.optimizer.startswith("adam"):
+        return 0
+    own = max((b.owned_numel(shard_rank) for b in layout.trainable), default=0)
+    return 2 * min(OPTIM_CHUNK_BYTES, own * 4)
+
+
+def pinned_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
+    """Stage 3, resharding after forward: full buffers a forward gathered that autograd keeps alive until their
+    backward, every bucket holding an ``F.linear`` weight (``PlannedBucket.linear_weight``; the root's included)."""
+    if layout.stage != 3 or cfg.policy == "keep_params" or not cfg.reshard_after_forward:
+        return 0  # parameters stay gathered from forward to backward anyway (counted as gathered)
+    return sum(b.padded_numel * b.itemsize for b in layout.buckets if b.linear_weight)
+
+
 def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations: int,
                shard_rank: int = 0) -> dict[str, int]:
-    """Peak bytes per rank over a micro-batch: persistent states + gathered units + max(activations, gradients)."""
+    """Peak bytes per rank over a micro-batch and the step: persistent states + the largest of the start of backward,
+    the end of backward and the optimizer step (module docstring). ``activations``: their peak, at the start of
+    backward (``stats.activation_bytes``)."""
     st = state_bytes(layout, cfg, job, shard_rank)
-    persistent = st["params"] + st["master"] + st["optimizer_state"] + st["accumulators"]
+    window = job.accumulation > 1
+    accum_held = st["accumulators"] if window else 0  # per_micro_batch: alive from the window's first reduction on
+    persistent = st["params"] + st["master"] + st["optimizer_state"] + accum_held
     grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)
     in_flight = 0  # fp32 copies of half gradients and reduce-scatter outputs, held until the reduction is folded in
     per_bucket = []
@@ -116,18 +159,30 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
             (b.shard_numel * _SIZE[rd] if layout.stage else 0)
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)
-    shard_grads = st["grads"] - (grad_full if layout.stage < 2 else 0)
     gathered = gathered_bytes(layout, cfg)
-    window_held = job.accumulation > 1 and not cfg.per_micro_batch  # defer: every bucket kept to the boundary
-    if layout.stage == 2 and not window_held:  # buffers appear as backward reaches them and go once reduced
-        during = max(activations, sum(sorted(per_bucket, reverse=True)[: IN_FLIGHT + 1]))
-    elif layout.stage < 3:  # buffers present while activations are alive
-        during = grad_full + max(activations, in_flight)
-    else:  # unit buffers appear as backward reaches each unit, while activations are freed
-        during = max(activations, grad_full + in_flight)
-    total = persistent + gathered + max(during, shard_grads)
-    return {"persistent": persistent, "gathered": gathered, "gradients": grad_full + in_flight,
-            "activations": activations, "total": total}
+    pinned = pinned_bytes(layout, cfg)
+    window_held = window and not cfg.per_micro_batch  # defer / keep_*: every full gradient kept to the boundary
+    start_gathered = 0  # stage 3: units gathered at the start of backward (the step units, gathered again for it)
+    if layout.stage < 2 or (layout.stage == 2 and window_held):  # full buffers present for the whole backward
+        start_grads, end = grad_full, grad_full + in_flight
+    elif layout.stage == 2:  # buffers appear as backward reaches them and go once reduced
+        start_grads, end = 0, sum(sorted(per_bucket, reverse=True)[: IN_FLIGHT + 1])
+    else:
+        roots = [b for u in layout.units if u.is_root for b in u.buckets]
+        if cfg.policy == "keep_params" or not cfg.reshard_after_forward:
+            start_gathered = sum(u.full_bytes for u in layout.units)  # still gathered from forward
+        else:
+            start_gathered = sum(b.padded_numel * b.itemsize for b in roots)
+        # the step units' buffers are attached when their backward begins, before any of their gradients exists
+        start_grads = grad_full if window_held else sum(b.padded_numel * b.itemsize for b in roots if b.trainable)
+        end = grad_full + in_flight + gathered
+    start = activations + start_gathered + pinned + start_grads
+    step = st["grads"] + st["accumulators"] - accum_held + optimizer_temporaries(layout, job, shard_rank)
+    total = persistent + max(start, end, step)
+    return {"persistent": persistent, "gathered": gathered, "pinned": pinned, "gradients": grad_full + in_flight,
+            "activations": activations, "start_gathered": start_gathered, "start_grads": start_grads,
+            "backward_start": start, "backward_end": end, "step": step, "at_setup": st["params"] + st["master"],
+            "total": total}
 
 
 def fits(total: float, device_bytes: Optional[float], headroom: float = 0.9) -> bool:

@@ -12,9 +12,16 @@ attention 11sbh + 5as²b, MLP 19sbh, two LayerNorms 4sbh. Two adjustments, both 
   16-bit accounting of that paper) and the attention dropout (mask as²b, output 2as²b) are not stored;
 * with fused attention (FlashAttention, Dao et al. 2022; ``F.scaled_dot_product_attention``'s flash and
   memory-efficient kernels) the s² terms vanish: the kernel saves its output and a logsumexp per row.
-Scaling to other activation widths multiplies the 16-bit terms by act_bytes / 2.
-The output layer (not in that formula) stores the final LayerNorm input and output and the logits plus
-the cross-entropy's log-softmax: (2h + 2V)·act_bytes per token.
+Scaling to other activation widths multiplies the 16-bit terms by act_bytes / 2. A third adjustment, read from
+the module: an MLP activation written as several elementwise ops instead of one kernel saves more tensors of the
+MLP's width 4h (``UNFUSED_MLP_ACTIVATIONS``; Hugging Face GPT-2's ``gelu_new``: 3 more per layer).
+The output layer (not in that formula), at the start of backward, where activations peak: the final LayerNorm's
+input and output (2h), the log-softmax output the loss saved (V), the gradient of the loss with respect to it
+(V, from the NLL backward) and the logits' gradient (V, from the log-softmax backward): (2h + 3V)·act_bytes per
+token. The logits themselves (V) are freed once the step has returned the loss; at the end of forward, while the
+loss is computed, they and the log-softmax (2V) are all the output layer holds.
+Checked against ``torch.autograd.graph.saved_tensors_hooks`` and the profiler's allocations for HF GPT-2 6 x 384,
+vocab 16384, 4 x 128 tokens, fp32 (``bench/peak.py``): 21.0 MiB per layer, 223.6 MiB at the start of backward.
 """
 
 from __future__ import annotations
@@ -57,6 +64,14 @@ def unit_sizes(module: nn.Module, granularity: str = "fsdp", wrap_classes: Any =
             for s in plan_units(module, granularity, wrap_classes, min_params)]
 
 
+# MLP activation modules that run as several elementwise ops (autograd saves intermediates) rather than one fused
+# kernel, by class name: how many tensors of the MLP's width (4h) each saves for backward beyond its input (the GELU
+# output, which the second matmul saves, is in Korthikanti et al.'s count already). Hugging Face
+# ``NewGELUActivation`` (GPT-2's ``gelu_new``), 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): tanh's output and the
+# final product's two operands, 0.5·x and 1 + tanh (x³ and the sums save nothing new): 3. nn.GELU / F.gelu: none.
+UNFUSED_MLP_ACTIVATIONS = {"NewGELUActivation": 3}
+
+
 @dataclass(frozen=True)
 class TransformerShape:
     layers: int
@@ -66,6 +81,7 @@ class TransformerShape:
     vocab: int
     dropout: bool = False
     fused_attention: bool = True  # F.scaled_dot_product_attention (flash / memory-efficient kernels)
+    mlp_act_saved: int = 0  # extra 4h-wide tensors the MLP activation saves (UNFUSED_MLP_ACTIVATIONS)
 
 
 def transformer_shape(module: nn.Module, seq: Optional[int] = None) -> Optional[TransformerShape]:
@@ -79,7 +95,9 @@ def transformer_shape(module: nn.Module, seq: Optional[int] = None) -> Optional[
                   for a in ("n_head", "num_heads", "num_attention_heads") if hasattr(m, a)), 1)
     block_size = next((int(m.block_size) for m in module.modules() if hasattr(m, "block_size")), None)
     dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
-    return TransformerShape(len(blocks), emb.embedding_dim, heads, seq or block_size or 1, emb.num_embeddings, dropout)
+    act_saved = max((UNFUSED_MLP_ACTIVATIONS.get(type(m).__name__, 0) for m in blocks[0].modules()), default=0)
+    return TransformerShape(len(blocks), emb.embedding_dim, heads, seq or block_size or 1, emb.num_embeddings, dropout,
+                            mlp_act_saved=act_saved)
 
 
 def activation_bytes_per_layer(shape: TransformerShape, micro_batch: int, act_bytes: int = 2) -> float:
@@ -90,12 +108,15 @@ def activation_bytes_per_layer(shape: TransformerShape, micro_batch: int, act_by
     per = s * b * h * sbh * scale if not shape.dropout else s * b * h * (32 * scale + 2)
     if not shape.fused_attention:  # softmax output (+ dropout mask and output): 2as²b (+3as²b) at 16 bits
         per += a * s * s * b * (2 * scale + (1 + 2 * scale if shape.dropout else 0))
+    per += shape.mlp_act_saved * 4 * s * b * h * act_bytes  # an unfused MLP activation's intermediates (4h wide)
     return per
 
 
 def activation_bytes(shape: TransformerShape, micro_batch: int, act_bytes: int = 2) -> float:
-    """Activations kept for backward by one micro-batch: every layer plus the output layer."""
-    head = shape.seq * micro_batch * (2 * shape.hidden + 2 * shape.vocab) * act_bytes
+    """Activation bytes of one micro-batch at their peak, the start of backward: every layer's saved tensors plus
+    the output layer's (2h + 3V per token: final LayerNorm input and output, log-softmax output, its gradient and
+    the logits' gradient; see the module docstring)."""
+    head = shape.seq * micro_batch * (2 * shape.hidden + 3 * shape.vocab) * act_bytes
     return shape.layers * activation_bytes_per_layer(shape, micro_batch, act_bytes) + head
 
 
