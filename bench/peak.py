@@ -256,7 +256,6 @@ def _planner_cells(r: dict[str, Any]) -> str:
 
 # peak_bytes terms of each moment (MiB), as a reader adds them up
 _TERMS = {"backward_start": (("activations", "activations"), ("start_gathered", "units gathered for backward"),
-                             ("pinned", "forward-gathered buffers autograd still holds"),
                              ("start_grads", "full gradient buffers")),
           "backward_end": (("gradients", "full gradients + in flight"), ("gathered", "gathered units")),
           "step": ()}

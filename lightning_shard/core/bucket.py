@@ -71,6 +71,7 @@ class Bucket:
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
 
         self.flat_param: Optional[torch.Tensor] = None
+        self._full: Optional[torch.Tensor] = None  # stage 3: the full buffer whose storage unshard/reshard resize
         own_source: Optional[torch.Tensor] = None  # the owned elements in the source dtype (cast buckets)
         if spec.shards_params:  # copy only this rank's range: no full flat buffer at setup (deferred init peak)
             shard_buf = torch.zeros(self.layout.shard_numel, dtype=source, device=self.device)
@@ -169,7 +170,14 @@ class Bucket:
         if self.param_state is not ParamState.SHARDED:
             return
         self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
-        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        # one full buffer per bucket, kept across reshards; its *storage* is freed at reshard and regrown here, so
+        # every view of it (autograd's saved ``weight.t()`` of an ``F.linear`` included) loses its memory when the
+        # unit is resharded and sees the gathered values again in backward
+        if self._full is None:
+            self._full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        else:
+            self._full.untyped_storage().resize_(self.layout.padded_numel * self.itemsize)
+        self.flat_param = self._full
         self.gauge.add(self.layout.padded_numel * self.itemsize)
         src = self.shard
         if self.offload_params:  # host shard: to the device first (a fresh staging buffer, freed after the gather)
@@ -204,6 +212,8 @@ class Bucket:
             p.data = empty
             p.grad = None
         self.flat_param = None
+        if self._full is not None:  # the memory itself, not just our reference: views saved for backward too
+            self._full.untyped_storage().resize_(0)
         self.gauge.add(-self.layout.padded_numel * self.itemsize)
         self.param_state = param_transition(self.param_state, ParamState.SHARDED, f"bucket {self.index}")
 
@@ -213,6 +223,7 @@ class Bucket:
             self.gauge.add(-self.layout.padded_numel * self.itemsize)
         self.param_state = ParamState.SHARDED
         self.flat_param = None
+        self._full = None  # the module owns that storage now: never resized again
         self.shard = None
 
     # ------------------------------------------------------------------ gradients

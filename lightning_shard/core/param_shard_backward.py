@@ -90,7 +90,10 @@ class BackwardSchedule:
         for u in unit.group:
             u.backward_prepared = True
             for b in u.trainable:
-                b.attach_grads()
+                if b.grad_buf is None:  # allocated when this backward's first gradient arrives (the engine's hook)
+                    b.expect_grads()
+                else:  # a buffer kept from an earlier micro-batch (keep_unsharded_grads, keep_params)
+                    b.attach_grads()
 
     def on_grads_ready(self, unit: Unit) -> None:
         """All of ``unit``'s gradients are accumulated for this backward."""

@@ -19,7 +19,7 @@ from ..core.plan import OptimizerGroups, Owner, bucketed_trainable, flat_buckets
 from ..core.units import plan_units
 
 __all__ = ["OptimizerGroups", "PlannedBucket", "PlannedLayout", "PlannedUnit", "default_groups", "groups_of",
-           "linear_weights", "plan_layout"]
+           "plan_layout"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,6 @@ class PlannedBucket:
     group_index: Optional[int]
     num_params: int
     unit: Optional[int] = None  # stage 3: index of its unit in plan order
-    # holds a weight that reaches autograd through F.linear (nn.Linear, nn.MultiheadAttention's in_proj_weight):
-    # F.linear saves weight.t(), a view of the gathered flat buffer, so at stage 3 the buffer a unit's forward
-    # gathered stays alive until that matmul's backward has run, although the engine resharded the unit
-    linear_weight: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -101,18 +97,6 @@ def groups_of(optimizers: Any) -> list[list[list[nn.Parameter]]]:
     return out
 
 
-def linear_weights(module: nn.Module) -> set[int]:
-    """``id`` of every parameter passed to ``F.linear`` as its weight: ``nn.Linear.weight`` (tied ones included) and
-    ``nn.MultiheadAttention.in_proj_weight`` (its ``out_proj`` is an ``nn.Linear``)."""
-    out = set()
-    for m in module.modules():
-        w = m.weight if isinstance(m, nn.Linear) else getattr(m, "in_proj_weight", None) \
-            if isinstance(m, nn.MultiheadAttention) else None
-        if isinstance(w, nn.Parameter):
-            out.add(id(w))
-    return out
-
-
 def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int, shard_world: int,
                 bucket_mb: float = 25.0, granularity: str = "zero3", wrap_classes: Any = None,
                 min_params: Optional[int] = None, param_dtype: Optional[torch.dtype] = None) -> PlannedLayout:
@@ -123,7 +107,6 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
     """
     groups = default_groups(module) if groups is None else groups
     owner = param_owners(module, groups)
-    linear = linear_weights(module)
 
     def dtype_of(p: nn.Parameter) -> torch.dtype:
         return param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
@@ -132,8 +115,7 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
              num_shards: int) -> PlannedBucket:
         layout = build_layout([("", tuple(p.shape)) for p in params], num_shards)
         return PlannedBucket(index, layout.numel, layout.padded_numel, num_shards, dtype_of(params[0]),
-                             key is not None, key[0] if key else None, key[1] if key else None, len(params), unit,
-                             any(id(p) in linear for p in params))
+                             key is not None, key[0] if key else None, key[1] if key else None, len(params), unit)
 
     if stage == 3:
         specs = plan_units(module, granularity, wrap_classes, min_params)

@@ -15,10 +15,9 @@ them):
 
 * the start of backward, where activations peak (``stats.activation_bytes``: every layer's saved tensors, the
   log-softmax output and the first two gradients of the loss); stages 0/1 hold their full gradient buffers here
-  (kept across steps), stage 3 its step units (the root: embeddings, tied head) gathered again for backward, their
-  full gradient buffers (attached before any of their gradients is computed) and the buffers the forward gathered
-  that autograd still holds (``PlannedBucket.linear_weight``: ``F.linear`` saves ``weight.t()``, a view of the
-  gathered flat buffer, so resharding after forward frees nothing until that matmul's backward has run);
+  (kept across steps), stage 3 its step units (the root: embeddings, tied head) gathered again for backward (their
+  gradient buffers appear with their first gradient; resharding frees a unit's storage itself, so the view of it
+  that ``F.linear`` saved for backward holds no memory);
 * the end of backward: full gradient buffers (stages 0/1 for the whole backward; stage 2 allocates a bucket's buffer
   at its first gradient and frees it once its reduce-scatter is done, so a communicating backward holds at most
   ``IN_FLIGHT + 1`` buckets, while an accumulating ``defer`` window holds them all; stage 3 keeps every unit's until
@@ -133,14 +132,6 @@ def optimizer_temporaries(layout: PlannedLayout, job: Job, shard_rank: int = 0) 
     return 2 * min(OPTIM_CHUNK_BYTES, own * 4)
 
 
-def pinned_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
-    """Stage 3, resharding after forward: full buffers a forward gathered that autograd keeps alive until their
-    backward, every bucket holding an ``F.linear`` weight (``PlannedBucket.linear_weight``; the root's included)."""
-    if layout.stage != 3 or cfg.policy == "keep_params" or not cfg.reshard_after_forward:
-        return 0  # parameters stay gathered from forward to backward anyway (counted as gathered)
-    return sum(b.padded_numel * b.itemsize for b in layout.buckets if b.linear_weight)
-
-
 def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations: int,
                shard_rank: int = 0) -> dict[str, int]:
     """Peak bytes per rank over a micro-batch and the step: persistent states + the largest of the start of backward,
@@ -160,7 +151,6 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)
     gathered = gathered_bytes(layout, cfg)
-    pinned = pinned_bytes(layout, cfg)
     window_held = window and not cfg.per_micro_batch  # defer / keep_*: every full gradient kept to the boundary
     start_gathered = 0  # stage 3: units gathered at the start of backward (the step units, gathered again for it)
     if layout.stage < 2 or (layout.stage == 2 and window_held):  # full buffers present for the whole backward
@@ -173,13 +163,13 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
             start_gathered = sum(u.full_bytes for u in layout.units)  # still gathered from forward
         else:
             start_gathered = sum(b.padded_numel * b.itemsize for b in roots)
-        # the step units' buffers are attached when their backward begins, before any of their gradients exists
-        start_grads = grad_full if window_held else sum(b.padded_numel * b.itemsize for b in roots if b.trainable)
+        # a gradient buffer is allocated with its unit's first gradient; an accumulation window keeps them all
+        start_grads = grad_full if window_held else 0
         end = grad_full + in_flight + gathered
-    start = activations + start_gathered + pinned + start_grads
+    start = activations + start_gathered + start_grads
     step = st["grads"] + st["accumulators"] - accum_held + optimizer_temporaries(layout, job, shard_rank)
     total = persistent + max(start, end, step)
-    return {"persistent": persistent, "gathered": gathered, "pinned": pinned, "gradients": grad_full + in_flight,
+    return {"persistent": persistent, "gathered": gathered, "gradients": grad_full + in_flight,
             "activations": activations, "start_gathered": start_gathered, "start_grads": start_grads,
             "backward_start": start, "backward_end": end, "step": step, "at_setup": st["params"] + st["master"],
             "total": total}

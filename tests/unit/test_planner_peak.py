@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from lightning_shard.planner.config import Job, StrategyConfig
-from lightning_shard.planner.layout import groups_of, linear_weights, plan_layout
-from lightning_shard.planner.memory import optimizer_temporaries, peak_bytes, pinned_bytes
+from lightning_shard.planner.layout import groups_of, plan_layout
+from lightning_shard.planner.memory import optimizer_temporaries, peak_bytes
 from lightning_shard.planner.stats import TransformerShape, activation_bytes, transformer_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,24 +137,13 @@ def _toy_peak(strategy, stage, policy=None, accumulation=1, **kw):
     return layout, cfg, job, peak_bytes(layout, cfg, job, A)
 
 
-def test_linear_weights_mark_the_tied_head_not_conv1d():
-    with torch.device("meta"):
-        model = Toy()
-    assert linear_weights(model) == {id(model.wte.weight)}  # the head's weight is the embedding's
-    layout = plan_layout(model, None, 3, 2, granularity="fsdp", wrap_classes=(Conv1DBlock,))
-    root = next(u for u in layout.units if u.is_root)
-    assert [b.linear_weight for b in root.buckets] == [True]
-    assert not any(b.linear_weight for u in layout.units if not u.is_root for b in u.buckets)
-
-
-def test_stage3_backward_start_holds_the_root_three_times():
-    """fsdp_shard, resharding after forward: at the start of backward the root (262,144 B) is there as the buffer
-    its forward gathered (autograd holds it through the head's weight.t()), gathered again for backward, and as its
-    full gradient buffer, which is attached before any of its gradients is computed; no block is gathered yet."""
+def test_stage3_backward_start_holds_the_root_once():
+    """fsdp_shard, resharding after forward: at the start of backward the root (262,144 B) is gathered again for
+    backward, once: resharding after forward freed the storage itself (the head's saved weight.t() holds none), and
+    its gradient buffer appears with its first gradient; no block is gathered yet."""
     layout, cfg, job, m = _toy_peak("fsdp_shard", 3, "per_micro_batch")
-    assert pinned_bytes(layout, cfg) == m["pinned"] == 262_144
-    assert m["start_gathered"] == 262_144 and m["start_grads"] == 262_144
-    assert m["backward_start"] == A + 3 * 262_144
+    assert m["start_gathered"] == 262_144 and m["start_grads"] == 0
+    assert m["backward_start"] == A + 262_144
     # end of backward: every full gradient buffer (393,216) + the reduce-scatter outputs (half of it: 196,608) + the
     # root and the largest block x (1 + prefetch depth 1) gathered (262,144 + 2 * 65,536)
     assert m["gathered"] == 393_216 and m["backward_end"] == 393_216 + 196_608 + 393_216
@@ -165,16 +154,16 @@ def test_stage3_backward_start_holds_the_root_three_times():
     # (the root's 32,768 elements, under the 4 MiB chunk)
     assert optimizer_temporaries(layout, job) == 2 * 131_072
     assert m["step"] == 196_608 + 262_144
-    assert m["total"] == 196_608 + 393_228 + A + 786_432
+    assert m["total"] == 196_608 + 393_228 + max(A + 262_144, 983_040)
 
 
 def test_stage3_per_module_units_and_no_reshard():
     layout, cfg, job, m = _toy_peak("zero3", 3, "per_micro_batch")  # every module a unit: the root is the embedding
-    assert m["pinned"] == 262_144 and m["backward_start"] == A + 3 * 262_144
+    assert m["backward_start"] == A + 262_144
     # units stay gathered from forward to backward: nothing is held twice, every unit counts once
     _, _, _, m = _toy_peak("fsdp_shard", 3, "per_micro_batch", reshard_after_forward=False)
-    assert m["pinned"] == 0 and m["start_gathered"] == 393_216
-    assert m["backward_start"] == A + 393_216 + 262_144
+    assert m["start_gathered"] == 393_216
+    assert m["backward_start"] == A + 393_216  # every unit gathered; no gradient buffer before its first gradient
     assert m["backward_end"] == 393_216 + 196_608 + 393_216
 
 
@@ -185,14 +174,14 @@ def test_accumulation_window_terms():
     assert m["step"] == 262_144  # the accumulators are persistent here, only the temporaries are the step's own
     # keep_unsharded_grads: the second micro-batch starts its backward with every full gradient buffer
     _, _, _, m = _toy_peak("fsdp_shard", 3, "keep_unsharded_grads", accumulation=2)
-    assert m["start_grads"] == 393_216 and m["backward_start"] == A + 262_144 + 262_144 + 393_216
+    assert m["start_grads"] == 393_216 and m["backward_start"] == A + 262_144 + 393_216
 
 
 def test_stage0_and_stage2_moments():
     # zero0: one bucket of all 98,304 elements (393,216 B), kept across steps: at the start of backward beside the
     # activations; persistent = parameters 393,216 + Adam 2 * 98,304 * 4 + 4
     _, _, _, m = _toy_peak("zero0", 0)
-    assert m["backward_start"] == A + 393_216 and m["pinned"] == 0 and m["start_gathered"] == 0
+    assert m["backward_start"] == A + 393_216 and m["start_gathered"] == 0
     assert m["persistent"] == 393_216 + 786_436 and m["at_setup"] == 393_216
     assert m["step"] == 393_216 + 2 * 393_216  # the full buffer + two temporaries of the whole 393,216 B shard
     assert m["total"] == 393_216 + 786_436 + A + 393_216
@@ -217,10 +206,12 @@ def test_activations_of_hf_gpt2_at_the_start_of_backward():
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(cfg)
     assert transformer_shape(model, 128) == shape  # gelu_new detected, fused (sdpa) attention, no dropout
-    # the tied head is an nn.Linear: its weight (16384 x 384 x 4 B = 25,165,824 B) is the root unit of zero3; under
-    # fsdp_shard the root's one bucket (one param group here) also holds the position embedding (128 x 384 x 4 B =
-    # 196,608 B) and the final LayerNorm (2 x 384 x 4 B = 3,072 B)
-    for granularity, wrap, pinned in (("zero3", None, 25_165_824), ("fsdp", "auto", 25_165_824 + 196_608 + 3_072)):
+    # the root unit: zero3's is the tied head's weight (16384 x 384 x 4 B = 25,165,824 B); under fsdp_shard the
+    # root's one bucket also holds the position embedding (128 x 384 x 4 B = 196,608 B) and the final LayerNorm
+    # (2 x 384 x 4 B = 3,072 B); at the start of backward it is gathered once, its gradient buffer not yet there
+    for granularity, wrap, root in (("zero3", None, 25_165_824), ("fsdp", "auto", 25_165_824 + 196_608 + 3_072)):
         layout = plan_layout(model, None, 3, 2, granularity=granularity, wrap_classes=wrap)
         cfg3 = StrategyConfig("zero3" if granularity == "zero3" else "fsdp_shard", 3, "per_micro_batch")
-        assert pinned_bytes(layout, cfg3) == pinned
+        job = Job(world=2, accumulation=1, precision="32-true", optimizer="adam")
+        m = peak_bytes(layout, cfg3, job, 0)
+        assert m["start_gathered"] == root and m["start_grads"] == 0
