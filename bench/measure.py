@@ -262,7 +262,9 @@ def write_rank_result(args: argparse.Namespace, variant: str, trainer: Any, mete
         "engine_s_per_step": meter.engine_s_per_step,
         "optimizer_state_bytes": model_state["optimizer_state"], "model_state": model_state,
         "param_bytes": param_bytes, "peak_rss_bytes": getattr(meter, "peak_rss", None) or peak_rss_bytes(),
-        **wire_per_step(args, variant, trainer, meter.entries, meter.counters0, meter.counters1, param_bytes),
+        # a meter that brings its own wire figures (the DeepSpeed rank, bench/deepspeed_rank.py) keeps them
+        **(getattr(meter, "wire", None)
+           or wire_per_step(args, variant, trainer, meter.entries, meter.counters0, meter.counters1, param_bytes)),
         "losses": meter.losses, "torch_threads": torch.get_num_threads(),
     }
     if getattr(args, "suite", None) == "peak":

@@ -6,8 +6,20 @@ import argparse
 import os
 
 from measure import make_callback, profiled_steps
-from variants import make_module, make_strategy
+from variants import DEEPSPEED, make_module, make_strategy
 from wire import Counters, install_counters
+
+
+def make_data(args: argparse.Namespace):
+    """The synthetic token sequences (fixed seed), as the DataLoader a rank hands to ``Trainer.fit`` (Lightning puts its
+    DistributedSampler in; ``deepspeed_rank.py`` does the same by hand)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n_seq = (args.warmup + args.steps) * args.batch_size * args.devices
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(args.vocab, (n_seq, args.block_size + 1), generator=gen)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size, drop_last=True)
 
 
 def run_variant(args: argparse.Namespace) -> None:
@@ -19,14 +31,15 @@ def run_variant(args: argparse.Namespace) -> None:
     except RuntimeError:
         pass
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
 
     variant = args.variant
+    if variant in DEEPSPEED:  # DeepSpeed's own engine, no Lightning Trainer (deepspeed_rank.py: why, what is the same)
+        from deepspeed_rank import run_deepspeed
+
+        run_deepspeed(args)
+        return
     pl.seed_everything(args.seed, verbose=False)
-    n_seq = (args.warmup + args.steps) * args.batch_size * args.devices
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(args.vocab, (n_seq, args.block_size + 1), generator=gen)
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size, drop_last=True)
+    data = make_data(args)
     # The profiled steps come after the timed ones, from further epochs over the same data: the first epoch (and so
     # the DistributedSampler's shuffle of it) is the warmup + timed steps exactly, profiled or not.
     n_profiled = profiled_steps(args, variant)

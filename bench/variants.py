@@ -12,6 +12,11 @@ knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: o
 (``--variants``, :data:`OPT_IN`) the same with the knobs of a suffix (:data:`SUFFIXES`): ``_ac``
 (``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload`` (``offload_optimizer``),
 ``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``).
+
+DeepSpeed peers (peak suite, opt-in: ``--variants ds_zero1 ds_zero2 ds_zero3``; needs the ``bench-deepspeed`` extra):
+DeepSpeed ZeRO stage 1/2/3 with the same model, data, seed, AdamW groups and step counts, run by
+``bench/deepspeed_rank.py`` under ``deepspeed.initialize`` rather than a Lightning Trainer (Lightning's
+``DeepSpeedStrategy`` refuses the CPU accelerator); their DeepSpeed config: :func:`deepspeed_config`.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ SUITES = {
 }
 # variants a suite runs only when ``--variants`` names them (the default table stays as it is), e.g.
 # ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac zero3_bf16 zero3_offload zero3_offload_all``
-OPT_IN = {"peak": _KNOBBED}
+# DeepSpeed ZeRO-1/2/3 (``bench/deepspeed_rank.py``; the stage is the variant's last digit)
+DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
+OPT_IN = {"peak": _KNOBBED + DEEPSPEED}
 
 
 def split_variant(variant: str) -> tuple[str, dict[str, Any]]:
@@ -82,6 +89,18 @@ NOTES = {
     "zero3_offload": "zero3 with offload_optimizer=True",
     "fsdp_shard_offload": "fsdp_shard with offload_optimizer=True",
     "zero3_offload_all": "zero3 with offload_optimizer=True and offload_params=True (shards in host memory too)",
+    "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
+                "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
+                "= bucket_mb MiB of fp32 elements (25 MiB: 6,553,600), overlap_comm=False, "
+                "contiguous_gradients=True, gradient_clipping=0",
+    "ds_zero2": "DeepSpeed ZeRO stage 2, otherwise as ds_zero1 (reduce_bucket_size = allgather_bucket_size = "
+                "bucket_mb MiB of fp32 elements, overlap_comm=False, contiguous_gradients=True, fp32)",
+    "ds_zero3": "DeepSpeed ZeRO stage 3, fp32, reduce_bucket_size = bucket_mb MiB of fp32 elements, "
+                "overlap_comm=False, contiguous_gradients=True, stage3_max_reuse_distance=0 (release a module's "
+                "parameters after each use; DeepSpeed keeps gathered any parameter reused within this many elements, "
+                "and the default 1e9 exceeds the whole model), "
+                "stage3_prefetch_bucket_size = one transformer block's parameters (~ prefetch one unit ahead; default "
+                "5e7), stage3_param_persistence_threshold=1e5 and stage3_max_live_parameters=1e9 (defaults)",
 }
 
 
@@ -197,6 +216,26 @@ def make_module(args: argparse.Namespace, variant: str):
             fully_shard(self.model, mesh=mesh)
 
     return FSDP2Module()
+
+
+def deepspeed_config(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """The DeepSpeed config of ``ds_zero<stage>`` (what :data:`NOTES` states): fp32 (no ``fp16`` / ``bf16``
+    section), ZeRO ``stage``, buckets of ``--bucket-mb`` MiB of fp32 elements as the lightning_shard zero0-2 get,
+    no overlap (no side streams on CPU), DeepSpeed's contiguous gradient buffer; stage 3: parameters released after
+    each use and prefetch of about one block ahead (the defaults, reuse distance 1e9 and prefetch 5e7 elements,
+    exceed the whole of a model this small)."""
+    stage = int(variant[-1])
+    bucket = int(args.bucket_mb * 2**20) // 4  # elements of fp32
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": False,
+                            "contiguous_gradients": True}
+    if stage < 3:
+        zero["allgather_bucket_size"] = bucket
+    else:
+        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=unit_param_counts(args)["block"],
+                    stage3_param_persistence_threshold=100_000, stage3_max_live_parameters=1_000_000_000)
+    return {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "zero_optimization": zero, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False}
 
 
 def make_strategy(args: argparse.Namespace, variant: str) -> Any:
