@@ -28,18 +28,22 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-from variants import OURS, block_class, build_model
+from variants import OPT_IN, OURS, block_class, build_model, split_variant
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]
 # the peak suite's allocator environment: glibc serves blocks >= 64 KiB with mmap and trims the heap top above
 # 64 KiB, so freed tensor memory leaves the resident set and VmHWM follows the live tensors
 PEAK_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "fsdp2": 3, "zero3": 3, "fsdp_shard": 3}
+STAGE = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "fsdp2": 3, "zero3": 3, "fsdp_shard": 3,
+         "ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3}
 # bytes per parameter a rank no longer holds (times (N-1)/N) once stage s shards: optimizer state, + grads, + params
 SHARDED_BYTES_PER_PARAM = {0: 0, 1: 8, 2: 12, 3: 16}
 # the previous rung of each variant: what it is compared with, one step down the ladder
-RUNG = {"zero1": "zero0", "zero2": "zero1", "fsdp2": "zero2", "zero3": "fsdp2", "fsdp_shard": "fsdp2"}
+RUNG = {"zero1": "zero0", "zero2": "zero1", "fsdp2": "zero2", "zero3": "fsdp2", "fsdp_shard": "fsdp2",
+        # DeepSpeed against ours at the same stage (formula 0); a knob variant against its strategy without the knob
+        "ds_zero1": "zero1", "ds_zero2": "zero2", "ds_zero3": "zero3",
+        **{v: split_variant(v)[0] for v in OPT_IN["peak"] if split_variant(v)[1]}}
 
 
 def formula_saving_bytes(variant: str, ref: str, world: int, n_params: int) -> Optional[float]:

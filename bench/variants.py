@@ -22,6 +22,7 @@ DeepSpeed ZeRO stage 1/2/3 with the same model, data, seed, AdamW groups and ste
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Any
 
 # ``<strategy><suffix>``: the strategy with the knobs of each suffix (peak suite, opt-in): activation checkpointing,
@@ -47,7 +48,10 @@ SUITES = {
 # ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac zero3_bf16 zero3_offload zero3_offload_all``
 # DeepSpeed ZeRO-1/2/3 (``bench/deepspeed_rank.py``; the stage is the variant's last digit)
 DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
-OPT_IN = {"peak": _KNOBBED + DEEPSPEED}
+# the DeepSpeed peers are in the default peak table where DeepSpeed is installed (the ``bench-deepspeed`` extra)
+if importlib.util.find_spec("deepspeed") is not None:
+    SUITES["peak"] = SUITES["peak"] + DEEPSPEED
+OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"])}
 
 
 def split_variant(variant: str) -> tuple[str, dict[str, Any]]:

@@ -49,6 +49,8 @@ class StrategyConfig:
     prefetch_depth: int = 1
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
     overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
+    offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
+    offload_params: bool = False  # stage 3, with offload_optimizer: the parameter shards in host memory too
 
     def __post_init__(self) -> None:
         if STAGE_OF.get(self.strategy) != self.stage:
@@ -60,6 +62,8 @@ class StrategyConfig:
             hint = "; stage 3 calls deferring 'keep_unsharded_grads'" if self.policy == "defer" else ""
             raise ValueError(f"accumulation policy {self.policy!r} does not exist for {self.strategy} (stage "
                              f"{self.stage}): use one of {POLICIES[self.stage]}{hint}")
+        if self.offload_params and not (self.stage == 3 and self.offload_optimizer):
+            raise ValueError("offload_params needs stage 3 and offload_optimizer=True")
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
@@ -80,6 +84,7 @@ class StrategyConfig:
     def label(self) -> str:
         name = self.strategy + ("_hybrid" if self.shard_size else "")
         extra = "" if self.stage < 3 or self.reshard_after_forward else ", no reshard"
+        extra += ", offload" + (" all" if self.offload_params else "") if self.offload_optimizer else ""
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
@@ -96,6 +101,10 @@ class StrategyConfig:
                 out["min_params"] = self.min_params
         if self.shard_size:
             out["shard_size"] = self.shard_size
+        if self.offload_optimizer:
+            out["offload_optimizer"] = True
+        if self.offload_params:
+            out["offload_params"] = True
         return out
 
     def with_(self, **changes: Any) -> "StrategyConfig":

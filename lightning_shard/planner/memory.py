@@ -104,7 +104,26 @@ def state_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, shard_rank
             rep["optimizer_state"] += k_opt * own * _SIZE[sd] + (4 if job.optimizer.startswith("adam") else 0)
     rep["params"] += layout.frozen_bytes
     rep["total"] = sum(rep[k] for k in STATE_KEYS)
+    rep["on_host"] = host_bytes(layout, cfg, rep, shard_rank)
     return rep
+
+
+def host_bytes(layout: PlannedLayout, cfg: StrategyConfig, rep: dict[str, int], shard_rank: int = 0) -> int:
+    """``offload_optimizer``: the part of the states in host memory (counted in ``rep`` too): the fp32 master shard
+    (the engine keeps one for fp32 parameters as well), the gradient shard copied out, the optimizer state; with
+    ``offload_params`` the stage-3 parameter shards (the fp32 master is then that shard itself)."""
+    if not cfg.offload_optimizer:
+        return 0
+    owned = sum(b.owned_numel(shard_rank) for b in layout.trainable)
+    half = any(b.dtype in (torch.float16, torch.bfloat16) for b in layout.trainable)
+    master = owned * 4 if (half or not cfg.offload_params) else 0
+    host = master + owned * 4 + rep["optimizer_state"]
+    if not half:  # fp32 parameters: the host master is a copy the device-side states do not count
+        rep["master"] += master
+        rep["total"] += master
+    if cfg.offload_params and layout.stage == 3:
+        host += sum(b.shard_numel * b.itemsize for b in layout.buckets)
+    return host
 
 
 def gathered_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
@@ -141,6 +160,8 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     window = job.accumulation > 1
     accum_held = st["accumulators"] if window else 0  # per_micro_batch: alive from the window's first reduction on
     persistent = st["params"] + st["master"] + st["optimizer_state"] + accum_held
+    if cfg.offload_optimizer:  # host memory (``on_host``), not the device's: the masters and the optimizer state
+        persistent -= st["master"] + st["optimizer_state"] + (st["params"] if cfg.offload_params else 0)
     grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)
     in_flight = 0  # fp32 copies of half gradients and reduce-scatter outputs, held until the reduction is folded in
     per_bucket = []
@@ -167,12 +188,16 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
         start_grads = grad_full if window_held else 0
         end = grad_full + in_flight + gathered
     start = activations + start_gathered + start_grads
+    # the step: its gradients and the optimizer's temporaries (offload: the CPU steps, on host buffers)
     step = st["grads"] + st["accumulators"] - accum_held + optimizer_temporaries(layout, job, shard_rank)
+    if cfg.offload_optimizer:
+        step = st["accumulators"] - accum_held
     total = persistent + max(start, end, step)
     return {"persistent": persistent, "gathered": gathered, "gradients": grad_full + in_flight,
             "activations": activations, "start_gathered": start_gathered, "start_grads": start_grads,
             "backward_start": start, "backward_end": end, "step": step, "at_setup": st["params"] + st["master"],
-            "total": total}
+            "optimizer_state": st["optimizer_state"], "master": st["master"], "params": st["params"],
+            "on_host": st["on_host"], "total": total}
 
 
 def fits(total: float, device_bytes: Optional[float], headroom: float = 0.9) -> bool:

@@ -103,7 +103,7 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
 
 
 def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:
-    """What would fit: more devices, a smaller micro-batch; CPU offload is not implemented."""
+    """What would fit: more devices, a smaller micro-batch, CPU offload (:func:`offload_hint`)."""
     low = min(rows, key=lambda r: r.memory["total"])
     usable = 0.9 * ctx.device.memory_bytes
     msg = [f"no strategy fits {_gib(usable)} usable per rank on {ctx.placement.topology.name} ({ctx.device.name}): "
@@ -123,8 +123,22 @@ def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:
     if ctx.job.micro_batch > 1 or low.memory["activations"] > 0.25 * usable:
         msg.append(f"Smaller micro-batch: activations take {_gib(low.memory['activations'])} at micro-batch "
                    f"{ctx.job.micro_batch}; they scale with it (raise accumulation to keep the global batch).")
-    msg.append("CPU offload of optimizer states or parameters is not implemented in lightning_shard.")
+    msg.append(offload_hint(ctx, low, usable))
     return " ".join(msg)
+
+
+def offload_hint(ctx: Context, low: PlanRow, usable: float) -> str:
+    """What ZeRO-Offload would leave on the device for the leanest row (``offload_optimizer``; stage 3 also
+    ``offload_params``), evaluated as a row of its own, and the host memory it needs per rank."""
+    cfg = low.config.with_(offload_optimizer=True, offload_params=low.config.stage == 3)
+    row = evaluate(ctx, cfg)
+    knobs = ", ".join(f"{k}=True" for k in ("offload_optimizer", "offload_params") if getattr(cfg, k))
+    what = "the fp32 masters, gradient shards and optimizer state" + (" and the parameter shards"
+                                                                       if cfg.offload_params else "")
+    verdict = "fits" if row.memory["total"] <= usable else "still does not fit"
+    return (f"CPU offload: {cfg.strategy} with {knobs} keeps {what} in host memory ({_gib(row.memory['on_host'])} "
+            f"per rank of host RAM) and needs {_gib(row.memory['total'])} per rank on the device: {verdict}; it "
+            "costs a CPU optimizer step and two shard copies per step.")
 
 
 def recommend_for(module: nn.Module, optimizer_groups_or_none: Any, topology: Union[None, str, Topology],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -96,7 +97,14 @@ def test_model_that_fits_nowhere_says_what_would():
         plan(from_recipe("gpt_1b"), "dgx1_v100", 1, 8, 2, "32-true")  # one V100 32GB
     msg = str(err.value)
     assert "no strategy fits" in msg and "More devices: about" in msg and "about 2 ranks" in msg
-    assert "CPU offload" in msg and "not implemented" in msg
+    # offload, evaluated as a row of its own: fp32 zero0 moves its 8 bytes/parameter of AdamW state off the device
+    # and holds master (4) + gradient shard (4) + that state (8) = 16 bytes per parameter in host memory
+    psi = sum(p.numel() for p in from_recipe("gpt_1b").parameters())
+    assert (f"CPU offload: zero0 with offload_optimizer=True keeps the fp32 masters, gradient shards and optimizer "
+            f"state in host memory ({16 * psi / 2**30:.1f} GiB per rank of host RAM)") in msg
+    low = re.search(r"the leanest, zero0 \(defer\), needs ([\d.]+) GiB", msg).group(1)
+    after = re.search(r"and needs ([\d.]+) GiB per rank on the device: fits", msg).group(1)
+    assert abs(float(low) - float(after) - 8 * psi / 2**30) < 0.15, (low, after)
     big = from_shape(params=70e9, seq=1024)
     with pytest.raises(ValueError, match="(?s)full gradient buffers.*Smaller micro-batch: activations take"):
         plan(big, "pcie_8", None, 64, 8)
