@@ -72,6 +72,11 @@ class ShardEngine:
         self.param_dtype = parse_param_dtype(param_dtype)
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_params = bool(offload_params)
+        first = next(module.parameters(), None)
+        if self.offload_optimizer and first is not None and first.device.type == "cpu":
+            warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
+                          "saved; the fp32 master shard and the gradient shard it copies out cost 8 bytes per "
+                          "parameter / N more (bench/results/budget.md). It is meant for accelerators.", stacklevel=3)
         if self.offload_params and not (self.spec.shards_params and self.offload_optimizer):
             raise ValueError("offload_params keeps the parameter shards in host memory, where the optimizer steps "
                              "them: it needs parameter sharding (zero3 or fsdp_shard) and offload_optimizer=True")

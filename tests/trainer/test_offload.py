@@ -140,3 +140,13 @@ def test_offload_params_needs_stage_3_and_offload_optimizer():
 
     with pytest.raises(ValueError, match="set offload_optimizer=True too"):
         Zero3Strategy(offload_params=True)
+
+
+def test_offload_on_cpu_parameters_says_it_saves_nothing():
+    from torch import nn
+
+    from lightning_shard.core.engine import ShardEngine
+
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="host memory is the device memory here, so nothing is saved"):
+        ShardEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=1, offload_optimizer=True)
