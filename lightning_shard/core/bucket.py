@@ -282,7 +282,12 @@ class Bucket:
             self._out = src
             self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
         else:
-            self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
+            if src is self.grad_buf and not self.spec.frees_grads:
+                # stage 1 keeps its full buffer anyway: reduce-scatter in place, into this rank's own range of it
+                # (NCCL's in-place layout; gloo too), so the averaged shard costs no buffer of its own
+                self._out = self.grad_buf[self.shard_start:self.shard_end]
+            else:
+                self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
             self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
         self._src = src
 

@@ -98,7 +98,8 @@ def state_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, shard_rank
             rep["master"] += own * 4
         if accumulate:
             rep["accumulators"] += own * 4  # the optimizer's gradient is the accumulator itself
-        elif not (layout.stage == 0 and rd == b.dtype and sd == b.dtype):  # stage 0, same dtype: a view of grad_buf
+        elif not (layout.stage < 2 and rd == b.dtype and sd == b.dtype):  # stages 0/1, same dtype: a view of grad_buf
+            # (stage 0 all-reduces in place; stage 1 reduce-scatters in place, into its own range of the buffer)
             rep["grads"] += own * _SIZE[sd]
         if k_opt:
             rep["optimizer_state"] += k_opt * own * _SIZE[sd] + (4 if job.optimizer.startswith("adam") else 0)
@@ -168,7 +169,7 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     for b in layout.trainable:
         rd = _reduce_dtype(cfg, b)
         extra = (b.padded_numel * _SIZE[rd] if rd != b.dtype else 0) + \
-            (b.shard_numel * _SIZE[rd] if layout.stage else 0)
+            (b.shard_numel * _SIZE[rd] if layout.stage >= 2 or (layout.stage == 1 and rd != b.dtype) else 0)
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)
     gathered = gathered_bytes(layout, cfg)
