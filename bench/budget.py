@@ -28,20 +28,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from driver import REPO, machine_info, run_one
+from driver import machine_info, run_one, variant_env
 from peak import PEAK_MALLOC_ENV
 from variants import NOTES, model_param_count, split_variant
 
 MIB = 2**20
 BORDERLINE_MIB = 5.0  # a first-over peak this close to the budget is flagged: a rerun could fit
-
-
-def suite_env() -> dict[str, str]:
-    """The environment ``driver.run_all`` gives the peak suite's variant processes (1 thread, the malloc env)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.update(PEAK_MALLOC_ENV)
-    return env
 
 
 def at_depth(args: argparse.Namespace, depth: int) -> argparse.Namespace:
@@ -433,7 +425,7 @@ def run_budget(args: argparse.Namespace) -> dict[str, Any]:
     prior, reused_from = load_prior(args, args.reuse) if getattr(args, "reuse", None) else ({}, None)
     tmp = Path(args.out_dir) / "budget.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    env = suite_env()
+    env = variant_env("peak")
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     print(f"budget {args.budget_mib:.0f} MiB/rank; width {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, "

@@ -101,11 +101,17 @@ def suite_outputs(args: argparse.Namespace, suite: str) -> tuple[Path, Path]:
     return out_json, out_md
 
 
-def run_all(args: argparse.Namespace) -> None:
+def variant_env(suite: str) -> dict[str, str]:
+    """The environment of a variant's rank processes: 1 thread; the peak suite also gets its malloc settings."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    if args.suite == "peak":  # this suite only (it never runs together with another)
+    if suite == "peak":  # this suite only (it never runs together with another)
         env.update(PEAK_MALLOC_ENV)
+    return env
+
+
+def run_all(args: argparse.Namespace) -> None:
+    env = variant_env(args.suite)
     info = machine_info(args)
     print(f"model: {args.model} {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
           f"{args.devices} ranks x 1 thread; {args.warmup} warmup + {args.steps} timed steps; "

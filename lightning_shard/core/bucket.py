@@ -38,10 +38,10 @@ class Gauge:
         self.peak = max(self.peak, self.now)
 
 
-def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
-    """An fp32 buffer in host memory for a bucket on ``device`` (pinned when ``device`` is a GPU, so copies to and
-    from it are asynchronous)."""
-    return torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=device.type == "cuda")
+def host_buffer(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer in host memory for a bucket on ``device`` (pinned when ``device`` is a GPU, so copies to and from it
+    are asynchronous)."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
 
 
 class Bucket:
@@ -103,9 +103,7 @@ class Bucket:
         self.offload_params = offload_params and spec.shards_params
         if spec.shards_params:
             if self.offload_params:
-                host = torch.empty(shard_buf.numel(), dtype=shard_buf.dtype, device="cpu",
-                                   pin_memory=self.device.type == "cuda")
-                shard_buf = host.copy_(shard_buf)
+                shard_buf = host_buffer(shard_buf.numel(), self.device, shard_buf.dtype).copy_(shard_buf)
             self.shard = shard_buf
             own = self.shard[: self.owned_numel]
             self.reshard()
@@ -124,9 +122,8 @@ class Bucket:
             if self.offload_params and own_source is None and own.dtype == torch.float32:
                 self.master = own  # the host shard is the fp32 master already: one copy, not two
             else:
-                src = own_source if own_source is not None else own.detach()
-                self.master = host_buffer(self.owned_numel, self.device)
-                self.master.copy_(src)
+                self.master = host_buffer(self.owned_numel, self.device).copy_(
+                    own_source if own_source is not None else own.detach())
             self.shard_param = nn.Parameter(self.master)
         elif own_source is not None:  # param_dtype: the fp32 values are the truth, frozen parameters' included
             self.master = own_source if not self.offload_params else host_buffer(own_source.numel(),
@@ -388,32 +385,24 @@ class Bucket:
         self.set_state(GradState.EMPTY)
 
     # ------------------------------------------------------------------ accounting
-    def shard_ptr(self) -> int:
-        return self.shard.data_ptr() if self.shard is not None else -1
-
     def tensor_bytes(self) -> dict[str, int]:
         def nb(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        shard_grad = self.shard_param.grad
-        if self.offload or self.offload_params:  # ``on_host``: the part of the others in host memory
-            master = 0 if self.master is not None and self.master.data_ptr() == self.shard_ptr() else nb(self.master)
-            shard = nb(self.shard) if self.spec.shards_params else nb(self.flat_param)
-            return {"params": shard, "gathered_params": nb(self.flat_param) if self.spec.shards_params else 0,
-                    "grads": nb(self.grad_buf) + nb(self.host_grad), "master": master,
-                    "accumulators": nb(self.accum),
-                    "on_host": master + nb(self.host_grad) + (shard if self.offload_params else 0)}
+        # offload: the optimizer's gradient is the host copy (kept allocated across windows); offload_params with
+        # fp32 parameters: the host shard is the master itself (counted once, as parameters)
+        shard_grad = self.host_grad if self.offload else self.shard_param.grad
+        master = 0 if self.master is not None and self.shard is not None and \
+            self.master.data_ptr() == self.shard.data_ptr() else nb(self.master)
         aliased = shard_grad is not None and self.grad_buf is not None and \
             shard_grad.untyped_storage().data_ptr() == self.grad_buf.untyped_storage().data_ptr()
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
+        out = {"params": nb(self.shard) if self.spec.shards_params else nb(self.flat_param),
+               "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": master,
+               "accumulators": nb(self.accum)}
         if self.spec.shards_params:
-            return {"params": nb(self.shard), "gathered_params": nb(self.flat_param),
-                    "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": nb(self.master),
-                    "accumulators": nb(self.accum)}
-        return {
-            "params": nb(self.flat_param),
-            "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)),
-            "master": nb(self.master),
-            "accumulators": nb(self.accum),
-        }
+            out["gathered_params"] = nb(self.flat_param)
+        if self.offload or self.offload_params:  # ``on_host``: the part of the above in host memory
+            out["on_host"] = master + nb(self.host_grad) + (out["params"] if self.offload_params else 0)
+        return out
 

@@ -231,8 +231,9 @@ class ShardEngine:
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
         self.wait_params()
-        self.sync.reduce_now(self.binding_for(optimizer).buckets)
-        for b in self.binding_for(optimizer).buckets:
+        buckets = self.binding_for(optimizer).buckets
+        self.sync.reduce_now(buckets)
+        for b in buckets:
             b.wait_offload()  # offload on CUDA: the gradient shards have reached host memory
         self._leave_out_unused(optimizer)
         if self.controller is not None:
@@ -351,11 +352,11 @@ class ShardEngine:
         """End of training with ``param_dtype``: the module's parameters become the full fp32 masters again, so
         ``model.state_dict()`` after fit holds what was trained (collective: every rank must call)."""
         self.wait_params()
-        if self.param_dtype is None or self._restored or not any(b.cast for b in self.buckets):
+        cast = [b for b in self.buckets if b.cast]
+        if self._restored or not cast:
             return
         self._restored = True
-        full = state_dict.gather_full(self.module, [b for b in self.buckets if b.cast], self.group)
-        mixed.restore(self.module, [b for b in self.buckets if b.cast], full)
+        mixed.restore(self.module, cast, state_dict.gather_full(self.module, cast, self.group))
 
     def remove_hooks(self) -> None:
         self.wait_params()

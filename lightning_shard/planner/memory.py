@@ -94,7 +94,9 @@ def state_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, shard_rank
             continue
         sd, rd = _shard_dtype(b, job), _reduce_dtype(cfg, b)
         half = b.dtype in (torch.float16, torch.bfloat16)
-        if half:
+        # fp32 masters: of half parameters; with offload of fp32 ones too (a host copy), unless offload_params
+        # makes the host shard the master itself
+        if half or (cfg.offload_optimizer and not (cfg.offload_params and layout.stage == 3)):
             rep["master"] += own * 4
         if accumulate:
             rep["accumulators"] += own * 4  # the optimizer's gradient is the accumulator itself
@@ -110,18 +112,12 @@ def state_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, shard_rank
 
 
 def host_bytes(layout: PlannedLayout, cfg: StrategyConfig, rep: dict[str, int], shard_rank: int = 0) -> int:
-    """``offload_optimizer``: the part of the states in host memory (counted in ``rep`` too): the fp32 master shard
-    (the engine keeps one for fp32 parameters as well), the gradient shard copied out, the optimizer state; with
-    ``offload_params`` the stage-3 parameter shards (the fp32 master is then that shard itself)."""
+    """``offload_optimizer``: the part of the states ``rep`` in host memory: the fp32 master shard, the gradient
+    shard copied out, the optimizer state; with ``offload_params`` the stage-3 parameter shards too."""
     if not cfg.offload_optimizer:
         return 0
     owned = sum(b.owned_numel(shard_rank) for b in layout.trainable)
-    half = any(b.dtype in (torch.float16, torch.bfloat16) for b in layout.trainable)
-    master = owned * 4 if (half or not cfg.offload_params) else 0
-    host = master + owned * 4 + rep["optimizer_state"]
-    if not half:  # fp32 parameters: the host master is a copy the device-side states do not count
-        rep["master"] += master
-        rep["total"] += master
+    host = rep["master"] + owned * 4 + rep["optimizer_state"]
     if cfg.offload_params and layout.stage == 3:
         host += sum(b.shard_numel * b.itemsize for b in layout.buckets)
     return host
