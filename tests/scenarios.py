@@ -150,6 +150,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "state": {k: v.detach().clone() for k, v in module_state.items()},
         "norms": module.grad_norms,
         "per_batch": recorder.per_batch,
+        "reduce_ops": {op for entries in recorder.per_batch for op, tag, _ in entries if tag.startswith("grad_bucket")},
         "per_batch_groups": recorder.per_batch_groups,
         "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
         "axes": trainer.strategy._groups.axes,

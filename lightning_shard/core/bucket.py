@@ -18,6 +18,7 @@ from torch import nn
 
 from . import collectives as C
 from .chunks import OptimizerChunks
+from .config import label
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
 from .spec import ShardSpec
 from .state import GradState, ParamState, param_transition, transition
@@ -49,13 +50,16 @@ class Bucket:
                  group_index: Optional[int], *, spec: ShardSpec, rank: int, group: C.Group,
                  replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
-                 offload_params: bool = False) -> None:
+                 offload_params: bool = False, reduce_scatter_via_all_reduce: bool = False) -> None:
         self.index, self.params, self.names = index, params, names
         self.opt_index, self.group_index = opt_index, group_index
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
         self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
+        # ``reduce_scatter_via="all_reduce"`` (gloo's default): the gradient reduce-scatter is an in-place all-reduce
+        # of the buffer and this rank keeps its slice (core/collectives.py: why)
+        self.rs_via_all_reduce = reduce_scatter_via_all_reduce and spec.reduce_scatters
         source = params[0].dtype  # the dtype the module's parameters came in with
         # mixed-precision policy (``param_dtype``): fp32 parameters are held as fp32 masters (the rank's owned
         # elements) and computed, gathered and stored in the module in ``param_dtype``
@@ -180,8 +184,9 @@ class Bucket:
         if self.offload_params:  # host shard: to the device first (a fresh staging buffer, freed after the gather)
             src = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device).copy_(self.shard,
                                                                                               non_blocking=True)
-        self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
-                                         tag=f"unshard_bucket{self.index}")
+        with label("gather_launch"):
+            self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
+                                             tag=f"unshard_bucket{self.index}")
 
     def _what(self) -> str:
         unit = getattr(self.unit, "name", None)
@@ -195,7 +200,8 @@ class Bucket:
             return
         if self._gather_work is not None:
             work, self._gather_work = self._gather_work, None
-            C.wait(work, f"the parameter all-gather of {self._what()}")
+            with label("gather_wait"):
+                C.wait(work, f"the parameter all-gather of {self._what()}")
         for p, view in zip(self.params, slot_views(self.layout, self.flat_param)):
             p.data = view
         self.param_state = param_transition(self.param_state, ParamState.UNSHARDED, f"bucket {self.index}")
@@ -270,6 +276,10 @@ class Bucket:
     # ------------------------------------------------------------------ communication
     def launch_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> None:
         """All-reduce (stage 0) or reduce-scatter (stages 1/2) the gradient buffer in ``reduce_dtype``."""
+        with label("reduce_launch"):
+            self._launch_reduce(reduce_dtype, async_op)
+
+    def _launch_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> None:
         self.set_state(GradState.REDUCING)
         if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
             self.attach_grads()
@@ -279,19 +289,24 @@ class Bucket:
             self._out = src
             self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
         else:
-            if src is self.grad_buf and not self.spec.frees_grads:
-                # stage 1 keeps its full buffer anyway: reduce-scatter in place, into this rank's own range of it
-                # (NCCL's in-place layout; gloo too), so the averaged shard costs no buffer of its own
-                self._out = self.grad_buf[self.shard_start:self.shard_end]
+            if self.rs_via_all_reduce:  # the whole buffer is summed in place; this rank's range is its shard
+                self._out = src[self.shard_start:self.shard_end]
+                self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
             else:
-                self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
-            self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
+                if src is self.grad_buf and not self.spec.frees_grads:
+                    # stage 1 keeps its full buffer anyway: reduce-scatter in place, into this rank's own range of
+                    # it (NCCL's in-place layout; gloo too), so the averaged shard costs no buffer of its own
+                    self._out = self.grad_buf[self.shard_start:self.shard_end]
+                else:
+                    self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
+                self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
         self._src = src
 
     def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
         """Wait for the reduction; fold it into the accumulator and, on a boundary, publish the averaged grad."""
         if self._work is not None:
-            C.wait(self._work, f"the gradient reduction of {self._what()}")
+            with label("reduce_wait"):
+                C.wait(self._work, f"the gradient reduction of {self._what()}")
         out = self._out
         assert out is not None
         self._work, self._src, self._out = None, None, None
@@ -304,6 +319,8 @@ class Bucket:
                 self.accum = torch.zeros(self.owned_numel, dtype=torch.float32, device=self.device)
             self.accum.add_(mine)
             mine = self.accum
+        elif self.rs_via_all_reduce and self.spec.frees_grads and mine.dtype == self.shard_param.dtype:
+            mine = mine.clone()  # a slice of the all-reduced full buffer, which is freed below: keep the shard only
         if self.spec.frees_grads:
             self.release_grads()  # ZeRO-2/3: the full gradient is not needed past its reduce-scatter
         if not boundary:
@@ -345,7 +362,8 @@ class Bucket:
     def wait_param_gather(self) -> None:
         work, self._param_work = self._param_work, None
         if work is not None:
-            work.wait()
+            with label("param_gather_wait"):
+                C.wait(work, f"the post-step parameter all-gather of {self._what()}")
 
     def launch_gather(self, async_op: bool) -> Any:
         """Write the updated shard back into ``flat_param`` and all-gather it (stages 1/2); the work is kept
@@ -360,8 +378,9 @@ class Bucket:
                 self.flat_param[self.own_lo:self.own_hi].copy_(self.master, non_blocking=self.offload)
         if not self.spec.gathers_after_step:
             return None
-        self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
-                                        group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
+        with label("param_gather_launch"):
+            self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
+                                            group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
         return self._param_work
 
     # ------------------------------------------------------------------ optimizer state per parameter

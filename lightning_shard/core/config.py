@@ -1,8 +1,10 @@
 """The engine's own small settings: how stage-3 units are formed, the reduction dtype's names, and the
-profiler label of each engine phase. (The user-facing knob list is ``strategies/config.py``.)"""
+profiler labels of the engine's phases and of each collective's launch and wait. (The user-facing knob list is
+``strategies/config.py``.)"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -52,3 +54,13 @@ def phase(fn):
         with torch.profiler.record_function(label):
             return fn(*args, **kwargs)
     return labelled
+
+
+def label(name: str) -> Any:
+    """A ``torch.profiler`` range ``lightning_shard.<name>`` while a profiler records, else nothing (so the hot
+    path pays one flag check): the launch and the wait of each bucket's collectives (``reduce_launch``,
+    ``reduce_wait``, ``gather_launch``, ``gather_wait``, ``param_gather_launch``, ``param_gather_wait``). A wait's
+    range is time the rank's main thread was blocked on communication (exposed, not overlapped)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"lightning_shard.{name}")
+    return contextlib.nullcontext()

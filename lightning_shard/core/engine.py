@@ -48,7 +48,7 @@ class ShardEngine:
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
                  debug_collectives: bool = False, gather_group: C.Group = None,
                  param_dtype: Optional[str] = None, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> None:
+                 offload_params: bool = False, reduce_scatter_via: str = "auto") -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -72,6 +72,7 @@ class ShardEngine:
         self.param_dtype = parse_param_dtype(param_dtype)
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_params = bool(offload_params)
+        self.rs_via_all_reduce = C.reduce_scatter_via_all_reduce(reduce_scatter_via, group)
         first = next(module.parameters(), None)
         if self.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
@@ -165,7 +166,8 @@ class ShardEngine:
         return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, spec=self.spec,
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
-                      offload=self.offload_optimizer, offload_params=self.offload_params)
+                      offload=self.offload_optimizer, offload_params=self.offload_params,
+                      reduce_scatter_via_all_reduce=self.rs_via_all_reduce)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

@@ -51,6 +51,9 @@ class StrategyConfig:
     overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
     offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
     offload_params: bool = False  # stage 3, with offload_optimizer: the parameter shards in host memory too
+    # how zero1-3 reduce-scatter gradients: "reduce_scatter" (what ``reduce_scatter_via="auto"`` is on NCCL, the
+    # accelerators planned for) or "all_reduce" (what it is on gloo: the bucket all-reduced, twice the bytes)
+    reduce_scatter_via: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         if STAGE_OF.get(self.strategy) != self.stage:
@@ -64,6 +67,9 @@ class StrategyConfig:
                              f"{self.stage}): use one of {POLICIES[self.stage]}{hint}")
         if self.offload_params and not (self.stage == 3 and self.offload_optimizer):
             raise ValueError("offload_params needs stage 3 and offload_optimizer=True")
+        if self.reduce_scatter_via not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"reduce_scatter_via must be 'reduce_scatter' or 'all_reduce' (the planner plans one "
+                             f"backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
@@ -105,6 +111,8 @@ class StrategyConfig:
             out["offload_optimizer"] = True
         if self.offload_params:
             out["offload_params"] = True
+        if self.reduce_scatter_via != "reduce_scatter":
+            out["reduce_scatter_via"] = self.reduce_scatter_via
         return out
 
     def with_(self, **changes: Any) -> "StrategyConfig":

@@ -109,7 +109,16 @@ def island_shard_size(placement: JobPlacement) -> Optional[int]:
 
 
 def candidates(module: nn.Module, placement: JobPlacement, accumulation: int) -> list[StrategyConfig]:
-    """Every registered strategy with each accumulation policy that differs at this accumulation count."""
+    """Every registered strategy with each accumulation policy that differs at this accumulation count. On CPU
+    devices (gloo) the rows reduce-scatter as the engine does there (``reduce_scatter_via="auto"``: an all-reduce
+    of each bucket)."""
+    rows = _candidates(module, placement, accumulation)
+    if placement.devices and all(placement.topology.devices[d].kind == "cpu" for d in placement.devices):
+        rows = [r if r.stage == 0 else r.with_(reduce_scatter_via="all_reduce") for r in rows]
+    return rows
+
+
+def _candidates(module: nn.Module, placement: JobPlacement, accumulation: int) -> list[StrategyConfig]:
     multi = accumulation > 1
     has_blocks = any(isinstance(m, nn.ModuleList) and len(m) for m in module.modules())
     out = [StrategyConfig("zero0", 0), StrategyConfig("zero1", 1), StrategyConfig("zero2", 2)]

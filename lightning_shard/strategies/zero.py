@@ -194,7 +194,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                                       overlap_param_gather=self.overlap_param_gather,
                                       gather_group=self._groups.gather, param_dtype=self._param_dtype(),
                                       offload_optimizer=self.offload_optimizer,
-                                      offload_params=getattr(self, "offload_params", False))
+                                      offload_params=getattr(self, "offload_params", False),
+                                      reduce_scatter_via=self.reduce_scatter_via)
             if self.engine.plan_summary:
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
             if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout

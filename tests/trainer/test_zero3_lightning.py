@@ -68,14 +68,19 @@ def _per_micro_batch_ops(res, op_prefix):
     return [Counter(op for op, tag, _ in entries if tag.startswith(op_prefix)) for entries in res["per_batch"]]
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp-reshard", "fsdp-keep"])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_collective_counts(worlds, name, policy):
+COUNT_CASES = [(n, p, "auto") for p in POLICIES for n in ("zero3", "fsdp-reshard", "fsdp-keep")] + [
+    ("zero3", "per_micro_batch", "reduce_scatter"), ("fsdp-reshard", "keep_unsharded_grads", "reduce_scatter")]
+
+
+@pytest.mark.parametrize("name,policy,via", COUNT_CASES, ids=[f"{p}-{n}-{v}" for n, p, v in COUNT_CASES])
+def test_collective_counts(worlds, name, policy, via):
     """all-gathers per micro-batch = 2 x flat buffers with reshard_after_forward, = flat buffers without;
     keep_params: one gather per buffer per step. Reduce-scatters: every micro-batch for per_micro_batch,
-    else only at the boundary. (A unit has one flat buffer per param group and dtype.)"""
+    else only at the boundary. (A unit has one flat buffer per param group and dtype.) The default
+    ``reduce_scatter_via="auto"`` runs each reduce-scatter as an all-reduce on these gloo ranks."""
     acc = 3
-    both = worlds(2).run(fit_zero, 3, policy, acc, model="tiny_lm", strategy_kwargs=flavour(name, "tiny_lm"))
+    both = worlds(2).run(fit_zero, 3, policy, acc, model="tiny_lm",
+                         strategy_kwargs=dict(flavour(name, "tiny_lm"), reduce_scatter_via=via))
     assert both[0]["per_batch"] == both[1]["per_batch"]  # every rank issues the same collectives, in order
     res = both[0]
     buffers = sum(res["unit_buckets"])
@@ -90,7 +95,7 @@ def test_collective_counts(worlds, name, policy):
         else:
             assert g == {"all_gather": buffers * (2 if reshard else 1)}, (i, g)
         if policy == "per_micro_batch" or boundary:
-            assert r == {"reduce_scatter": trainable}, (i, r)
+            assert r == {"all_reduce" if via == "auto" else "reduce_scatter": trainable}, (i, r)
         else:
             assert r == {}, (i, r)
 

@@ -33,11 +33,21 @@ CASES = [(0, "defer"), (1, "defer"), (2, "defer"), (2, "per_micro_batch")]
 _RUNS: dict = {}
 
 
-def counted_run(worlds, stage: int, policy: str, acc: int) -> list:
+def counted_run(worlds, stage: int, policy: str, acc: int, via: str = "auto") -> list:
     """One run per case for both ranks' assertions."""
-    if (stage, policy, acc) not in _RUNS:
-        _RUNS[(stage, policy, acc)] = worlds(2).run(fit_zero, stage, policy, acc)
-    return _RUNS[(stage, policy, acc)]
+    if (stage, policy, acc, via) not in _RUNS:
+        _RUNS[(stage, policy, acc, via)] = worlds(2).run(fit_zero, stage, policy, acc,
+                                                         strategy_kwargs={"reduce_scatter_via": via})
+    return _RUNS[(stage, policy, acc, via)]
+
+
+def grad_op(stage: int, via: str) -> str:
+    """The collective a gradient bucket's reduction is on these (gloo) ranks: zero0 all-reduces; zero1-3
+    reduce-scatter, which ``reduce_scatter_via="auto"`` runs as an all-reduce on gloo (core/collectives.py)."""
+    return "all_reduce" if stage == 0 or via in ("auto", "all_reduce") else "reduce_scatter"
+
+
+VIAS = ["auto", "reduce_scatter"]  # the default (on gloo: all-reduce and slice) and the backend's reduce-scatter
 
 
 def buffers_of(state: dict) -> dict:
@@ -78,15 +88,38 @@ def test_parity_with_single_process(worlds, world, acc, stage, policy):
         assert max_diff(res["state"], results[0]["state"]) == 0.0
 
 
+NATIVE = [(2, "defer"), (2, "per_micro_batch"), (3, "per_micro_batch"), (3, "keep_unsharded_grads")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage,policy", NATIVE, ids=[f"zero{s}-{p}" for s, p in NATIVE])
+def test_parity_both_reduce_scatter_paths(worlds, world, stage, policy):
+    """The backend's reduce-scatter (``reduce_scatter_via="reduce_scatter"``, NCCL's default) against one process,
+    as the default path (gloo: all-reduce and slice) is by every other parity test; at world 2 the two paths add the
+    same two numbers, so their weights are bit-identical."""
+    acc = 3
+    native = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"reduce_scatter_via": "reduce_scatter"})
+    ref_state, _ = reference(acc, world)
+    for rank, res in enumerate(native):
+        assert res["reduce_ops"] == {"reduce_scatter"}, res["reduce_ops"]
+        diff = max_diff(params_of(res["state"]), params_of(ref_state))
+        assert diff <= TOL, f"rank {rank}: max abs diff {diff:.3e} > {TOL}"
+    if world == 2:
+        auto = worlds(world).run(fit_zero, stage, policy, acc)
+        assert auto[0]["reduce_ops"] == {"all_reduce"}, auto[0]["reduce_ops"]
+        assert max_diff(params_of(auto[0]["state"]), params_of(native[0]["state"])) == 0.0
+
+
+@pytest.mark.parametrize("via", VIAS)
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("stage,policy", CASES, ids=[f"zero{s}-{p}" for s, p in CASES])
-def test_collective_counts_per_micro_batch(worlds, stage, policy, rank):
+def test_collective_counts_per_micro_batch(worlds, stage, policy, rank, via):
     """On every rank (default knobs: the used-mask all-reduce is part of every step)."""
     acc = 3
-    res = counted_run(worlds, stage, policy, acc)[rank]
+    res = counted_run(worlds, stage, policy, acc, via)[rank]
     n_buckets = len(res["buckets"])
     assert n_buckets > 2, "the test wants several buckets"
-    reduce_op = "all_reduce" if stage == 0 else "reduce_scatter"
+    reduce_op = grad_op(stage, via)
     for i, entries in enumerate(res["per_batch"]):
         ops = Counter(op for op, tag, _ in entries if tag.startswith("grad_bucket"))
         gathers = Counter(op for op, tag, _ in entries if tag.startswith("param_bucket"))
@@ -98,17 +131,22 @@ def test_collective_counts_per_micro_batch(worlds, stage, policy, rank):
             buffer_dtypes = len({b.dtype for b in ZooModule().buffers()})  # one coalesced broadcast per dtype
             assert others == {"used_mask": 1, "buffers": buffer_dtypes}, others  # find_unused mask + BatchNorm
         elif policy == "per_micro_batch":
-            assert [op for op, _, _ in entries] == ["reduce_scatter"] * n_buckets, (i, entries)
+            assert [op for op, _, _ in entries] == [reduce_op] * n_buckets, (i, entries)
         else:
             assert entries == [], f"micro-batch {i} is not a boundary but communicated {entries}"
 
 
+LEDGER_CASES = [(0, "auto")] + [(s, v) for s in (1, 2) for v in VIAS]  # zero0 has no reduce-scatter
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_ledger_bytes_equal_formula(worlds, world, stage):
+@pytest.mark.parametrize("stage,via", LEDGER_CASES, ids=[f"zero{s}-{v}" for s, v in LEDGER_CASES])
+def test_ledger_bytes_equal_formula(worlds, world, stage, via):
     """One bucket per param group: bytes per step = sum over groups of (N-1)/N x padded fp32 bytes (x2 for
-    all-reduce), with padding = ceil(numel/N)*N - numel per group."""
-    res = worlds(world).run(fit_zero, stage, "defer", 1, bucket_mb=100.0)[0]
+    all-reduce), with padding = ceil(numel/N)*N - numel per group. ``reduce_scatter_via="reduce_scatter"``: the
+    ZeRO formula (2(N-1)/N, DDP's bytes); the default on gloo (all-reduce and slice): 3(N-1)/N, recorded as such."""
+    res = worlds(world).run(fit_zero, stage, "defer", 1, bucket_mb=100.0,
+                            strategy_kwargs={"reduce_scatter_via": via})[0]
     module = ZooModule()
     groups = module.configure_optimizers().param_groups
     numels = sorted(sum(p.numel() for p in g["params"] if p.requires_grad) for g in groups)
@@ -123,6 +161,9 @@ def test_ledger_bytes_equal_formula(worlds, world, stage):
             wire[op] += b
     if stage == 0:
         assert wire == {"all_reduce": 2 * (n - 1) / n * grad_bytes}
+    elif via == "auto":  # gloo: the reduce-scatter is an all-reduce of the whole bucket
+        expected = (n - 1) / n * grad_bytes
+        assert wire == {"all_reduce": 2 * expected, "all_gather": expected}
     else:
         expected = (n - 1) / n * grad_bytes
         assert wire == {"reduce_scatter": expected, "all_gather": expected}
