@@ -36,7 +36,15 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from measure import peak_rss_bytes, reset_peak_rss, rss_bytes, state_bytes, storage_bytes, write_rank_result
+from measure import (
+    minor_faults,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    state_bytes,
+    storage_bytes,
+    write_rank_result,
+)
 from rank import make_data
 from variants import deepspeed_config, make_module, model_param_bytes
 
@@ -131,11 +139,22 @@ def run_deepspeed(args: argparse.Namespace) -> None:
         raise RuntimeError(f"{len(failed)} DeepSpeed rank process(es) failed")
 
 
+def _lap(m: Meter, name: str, timed: bool, mark: tuple[float, float]) -> tuple[float, float]:
+    """Add the wall time since ``mark`` and its off-CPU part (wall - main-thread CPU, as ``measure.py``) to phase
+    ``name`` of a timed step; the new mark."""
+    now = (time.perf_counter(), time.thread_time())
+    if timed:
+        m.phase[name] += now[0] - mark[0]
+        m.off_cpu[name] += (now[0] - mark[0]) - (now[1] - mark[1])
+    return now
+
+
 def train(args: argparse.Namespace, engine: Any, data: Any) -> Meter:
     """Warmup + timed steps; memory, times and losses as ``measure.make_callback``'s Meter takes them."""
     first, last = args.warmup, args.warmup + args.steps - 1
     m = Meter(step_times=[], losses=[], t_span0=0.0, t_span1=0.0, engine_s_per_step={},
               phase={"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0},
+              off_cpu={"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0},
               wire=wire_formula(args, args.variant, engine.world_size))
     # train start: engine set up (parameters placed and partitioned, AdamW state allocated), no step yet
     m.baseline_rss, m.setup_peak_rss = rss_bytes(), peak_rss_bytes()
@@ -144,29 +163,27 @@ def train(args: argparse.Namespace, engine: Any, data: Any) -> Meter:
         if step > last:
             break
         timed = first <= step <= last
-        t0 = t_mark = time.perf_counter()
+        t0 = time.perf_counter()
+        mark = (t0, time.thread_time())
         if step == first:
-            m.t_span0 = t0
+            m.t_span0, m.faults0 = t0, minor_faults()
         loss = engine((x, y), step)
-        t = time.perf_counter()
-        m.phase["forward"] += (t - t_mark) if timed else 0.0
-        t_mark = t
+        mark = _lap(m, "forward", timed, mark)
         engine.backward(loss)  # DeepSpeed reduces (stage 1) / reduce-scatters (2, 3) the gradients here
-        t = time.perf_counter()
-        m.phase["backward_and_grad_sync"] += (t - t_mark) if timed else 0.0
+        mark = _lap(m, "backward_and_grad_sync", timed, mark)
+        t = mark[0]
         if step == last:  # gradients reduced, before the update: the model state to report (its time taken out)
             m.model_state = held_model_state(engine)
             dt = time.perf_counter() - t
             t0 += dt
             m.t_span0 += dt
-        t_mark = time.perf_counter()
+        mark = (time.perf_counter(), time.thread_time())
         engine.step()
-        now = time.perf_counter()
-        m.phase["optimizer_and_param_sync"] += (now - t_mark) if timed else 0.0
+        now = _lap(m, "optimizer_and_param_sync", timed, mark)[0]
         m.losses.append(float(loss.detach()))
         if timed:
             m.step_times.append(now - t0)
         if step == last:
-            m.t_span1 = now
+            m.t_span1, m.faults1 = now, minor_faults()
             m.peak_rss = peak_rss_bytes()
     return m

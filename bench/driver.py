@@ -113,6 +113,12 @@ def variant_env(suite: str) -> dict[str, str]:
 def run_all(args: argparse.Namespace) -> None:
     env = variant_env(args.suite)
     info = machine_info(args)
+    if args.suite == "speed":  # its own tables and row sets (speed.py)
+        from speed import run_speed
+
+        written = run_speed(args, run_suite, env, info, SUITES["speed"])
+        print(f"wrote {', '.join(written)}")
+        return
     print(f"model: {args.model} {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
           f"{args.devices} ranks x 1 thread; {args.warmup} warmup + {args.steps} timed steps; "
           f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite(s) {', '.join(args.suites)}"
@@ -175,12 +181,13 @@ def run_suite(args: argparse.Namespace, suite: str, variants: list[str], tmp: Pa
             results[v] = merge_repeats(v, runs[v])
             if suite != "peak":  # its own model and environment: nothing shared with another table
                 done[v] = (suite, results[v])
+    tps = "tokens_per_s_best" if suite == "speed" else "tokens_per_s_mean"  # speed: the best run of each variant
     for key, base_variant in (("ratio_vs_ddp", "ddp"), ("ratio_vs_fsdp2", "fsdp2")):
-        base = results.get(base_variant, {}).get("tokens_per_s_mean")
+        base = results.get(base_variant, {}).get(tps)
         if base_variant in results:
             for r in results.values():
                 if "error" not in r:
-                    r[key] = r["tokens_per_s_mean"] / base if base else None
+                    r[key] = r[tps] / base if base else None
     return results
 
 
@@ -259,6 +266,7 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
                       for r in good]
     out["failed_repeats"] = len(runs) - len(good)
     out["tokens_per_s_mean"] = sum(r["tokens_per_s_mean"] for r in good) / len(good)
+    out["tokens_per_s_best"] = max(r["tokens_per_s_mean"] for r in good)
     out["tokens_per_s_rank0"] = sum(r["tokens_per_s_rank0"] for r in good) / len(good)
     if "train_peak_rss_mib_per_rank" in out:  # peak suite: every memory figure from one run (the first good one)
         out["peak_rss_mib_per_rank_each_repeat"] = [r["peak_rss_mib_per_rank"] for r in good]
@@ -266,8 +274,11 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["peak_rss_mib_max"] = max(r["peak_rss_mib_max"] for r in good)
         out["peak_rss_mib_per_rank"] = [max(r["peak_rss_mib_per_rank"][i] for r in good)
                                         for i in range(len(good[0]["peak_rss_mib_per_rank"]))]
-    for key in ("phase_s_per_step_rank0", "engine_s_per_step_rank0"):
-        out[key] = {k: sum(r[key][k] for r in good) / len(good) for k in good[0][key]}
+    for key in ("phase_s_per_step_rank0", "engine_s_per_step_rank0", "off_cpu_s_per_step_rank0",
+                "labels_s_per_step_rank0"):  # the mean over the runs that have each figure
+        names = dict.fromkeys(k for r in good for k in r.get(key, {}))
+        out[key] = {k: sum(r[key][k] for r in good if k in r.get(key, {})) / sum(k in r.get(key, {}) for r in good)
+                    for k in names}
     out["median_step_s_per_rank"] = [sorted(r["median_step_s_per_rank"][i] for r in good)[len(good) // 2]
                                      for i in range(len(good[0]["median_step_s_per_rank"]))]
     return out
@@ -292,6 +303,9 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "phase_s_per_step_rank0": ranks[0]["phase_s_per_step"],
         "phase_s_per_step_rank1": ranks[-1]["phase_s_per_step"],
         "engine_s_per_step_rank0": ranks[0]["engine_s_per_step"],
+        "off_cpu_s_per_step_rank0": ranks[0].get("off_cpu_s_per_step", {}),
+        "labels_s_per_step_rank0": ranks[0].get("labels_s_per_step", {}),
+        "minor_faults_per_step_rank0": ranks[0].get("minor_faults_per_step"),
         "model_state_rank0": ranks[0]["model_state"],
         "final_loss_rank0": ranks[0]["losses"][-1], "losses_rank0": ranks[0]["losses"],
         "torch_threads": ranks[0]["torch_threads"],
@@ -328,6 +342,9 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
                    help="steps after the timed ones run under torch.profiler for the engine phase times (0: none; "
                         "default 2, peak suite 0)")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--tables", nargs="+", default=["main"], choices=("main", "world1", "scaling", "sizes", "all"),
+                   help="speed suite: which tables (speed.py): main (ours and the peers, two models), world1 "
+                        "(overhead vs plain one-device Lightning), scaling (world 1/2/4), sizes; all: all four")
     p.add_argument("--quick", action="store_true", help="~1 minute smoke run per suite (smaller model, few steps)")
     p.add_argument("--no-comm-hook", dest="comm_hook", action="store_false",
                    help="plain DDP (no counting hook): DDP/ZeRO-R bytes are then computed, not measured")
@@ -338,7 +355,13 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant, one rank
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.suite == "peak":  # HF GPT-2 ~17M, a few steps (timing is not the point), no profiled steps
+    args.model_given = args.model is not None  # speed suite: --model narrows the main table to that model
+    if args.suite == "speed":  # per table row sets set model and batch (speed.py); DDP without a counting hook
+        full = dict(model="hf_gpt2", repeats=3, steps=10, warmup=3, n_layer=6, n_embd=384, batch_size=8,
+                    vocab=16384, profile_steps=2)
+        quick = dict(full, repeats=1, steps=2, warmup=1, n_layer=2, n_embd=128, batch_size=2)
+        args.comm_hook = False
+    elif args.suite == "peak":  # HF GPT-2 ~17M, a few steps (timing is not the point), no profiled steps
         full = dict(model="hf_gpt2", repeats=1, steps=3, warmup=2, n_layer=6, n_embd=384, batch_size=4, vocab=16384,
                     profile_steps=0)
         quick = dict(full, steps=1, warmup=1, n_layer=2, n_embd=192)
@@ -372,6 +395,8 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
         p.error("--sizes is for the peak suite (row sets of one table)")
     args.sizes = sizes
     args.suites = list(ALL_SUITES) if args.suite == "all" else [args.suite]
+    args.tables = ["main", "world1", "scaling", "sizes"] if "all" in args.tables else list(dict.fromkeys(args.tables))
+    args.variants_given = args.variants is not None
     in_suites = [v for s in args.suites for v in SUITES[s]]
     if args.variants is None:
         args.variants = list(dict.fromkeys(in_suites))

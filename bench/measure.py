@@ -38,6 +38,12 @@ from wire import Counters, counting_allreduce_hook, wire_per_step
 
 # JSON keys of ``engine_s_per_step``: the ShardEngine methods; their profiler label drops the leading underscore
 ENGINE_PHASES = ("pre_backward", "post_backward", "prepare_step", "finish_step", "_leave_out_unused")
+# ``labels_s_per_step`` (speed suite): every profiler range of these families, any variant, the per-module suffix
+# FSDP2 adds (`` (fqn)``) dropped so that a label sums over modules: the engine's phases and collective launches /
+# waits (``lightning_shard.*``, core/config.py), FSDP2's (``FSDP::*``), DDP's forward. (Not torch's
+# ``Optimizer.step#...``: under Lightning's automatic optimization the step runs the closure, i.e. forward and
+# backward, inside it for some strategies and not for others.)
+LABEL_PREFIXES = ("lightning_shard.", "FSDP::", "DistributedDataParallel.")
 
 
 # ============================================================================================ memory
@@ -60,6 +66,14 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``): pages the kernel zero-filled or mapped on first touch,
+    i.e. memory handed back to the OS and taken again (speed suite: per timed step)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def rss_bytes() -> Optional[int]:
@@ -128,8 +142,9 @@ def held_model_state(trainer: Any, variant: str) -> dict[str, int]:
 
 # ============================================================================================ engine phases
 def profiled_steps(args: argparse.Namespace, variant: str) -> int:
-    """Steps run after the timed ones under the profiler: only the lightning_shard variants have engine phases."""
-    return args.profile_steps if variant in OURS else 0
+    """Steps run after the timed ones under the profiler: the lightning_shard variants (engine phases); in the speed
+    suite every Lightning variant (the peers' own labels: FSDP2's ``FSDP::*``, DDP's forward, the optimizer step)."""
+    return args.profile_steps if variant in OURS or getattr(args, "suite", None) == "speed" else 0
 
 
 class EnginePhaseProfile:
@@ -148,6 +163,11 @@ class EnginePhaseProfile:
         self.prof.stop()
         total_us = {e.key: e.cpu_time_total for e in self.prof.key_averages()}  # inclusive CPU time, all calls
         self.prof = None
+        self.labels = {}
+        for key, us in total_us.items():
+            if key.startswith(LABEL_PREFIXES):
+                name = key.split(" (", 1)[0]
+                self.labels[name] = self.labels.get(name, 0.0) + us / 1e6 / steps
         labels = {name: "lightning_shard." + name.lstrip("_") for name in ENGINE_PHASES}
         return {name: total_us[label] / 1e6 / steps for name, label in labels.items() if label in total_us}
 
@@ -172,6 +192,8 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
         def __init__(self) -> None:
             self.step_times: list[float] = []
             self.phase = {"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0}
+            self.off_cpu = dict.fromkeys(self.phase, 0.0)  # wall - main-thread CPU time: blocked (waits) or preempted
+            self.labels: dict[str, float] = {}
             self.losses: list[float] = []
             self.t_span0 = self.t_span1 = 0.0
             self.engine_s_per_step: dict[str, float] = {}
@@ -189,18 +211,21 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.step, self.n_batches = self.n_batches, self.n_batches + 1
             if self.step == first:
+                self.faults0 = minor_faults()
                 self.ledger_mark = LEDGER.mark()
                 self.counters0 = counters.snapshot()
                 self.t_span0 = time.perf_counter()
             if self.step == last + 1 and n_profiled:
                 self.profile.start()
             self.t0 = self.t_mark = time.perf_counter()
+            self.cpu_mark = time.thread_time()
 
         def _lap(self, name: str) -> None:
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.thread_time()
             if first <= self.step <= last:
                 self.phase[name] += now - self.t_mark
-            self.t_mark = now
+                self.off_cpu[name] += (now - self.t_mark) - (cpu - self.cpu_mark)
+            self.t_mark, self.cpu_mark = now, cpu
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
             self._lap("forward")
@@ -215,7 +240,7 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
                 dt = time.perf_counter() - t
                 self.t0 += dt  # the snapshot is not part of the timed step
                 self.t_span0 += dt
-            self.t_mark = time.perf_counter()  # clipping etc. (none here) excluded
+            self.t_mark, self.cpu_mark = time.perf_counter(), time.thread_time()  # clipping etc. (none here) excluded
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self._lap("optimizer_and_param_sync")
@@ -226,12 +251,14 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
             if first <= step <= last:
                 self.step_times.append(now - self.t0)
             if step == last:
+                self.faults1 = minor_faults()
                 self.t_span1 = now
                 self.entries = LEDGER.since(self.ledger_mark)
                 self.counters1 = counters.snapshot()
                 self.peak_rss = peak_rss_bytes()  # before the profiled window (the profiler holds its events)
             if n_profiled and step == last + n_profiled:
                 self.engine_s_per_step = self.profile.stop(n_profiled)
+                self.labels = self.profile.labels
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.profile.close()
@@ -259,7 +286,10 @@ def write_rank_result(args: argparse.Namespace, variant: str, trainer: Any, mete
         "median_step_s": sorted(meter.step_times)[len(meter.step_times) // 2] if meter.step_times else None,
         "step_times_s": meter.step_times,
         "phase_s_per_step": {k: v / n for k, v in meter.phase.items()},
+        "off_cpu_s_per_step": {k: v / n for k, v in getattr(meter, "off_cpu", {}).items()},
         "engine_s_per_step": meter.engine_s_per_step,
+        "labels_s_per_step": getattr(meter, "labels", {}),
+        "minor_faults_per_step": (meter.faults1 - meter.faults0) / n if hasattr(meter, "faults1") else None,
         "optimizer_state_bytes": model_state["optimizer_state"], "model_state": model_state,
         "param_bytes": param_bytes, "peak_rss_bytes": getattr(meter, "peak_rss", None) or peak_rss_bytes(),
         # a meter that brings its own wire figures (the DeepSpeed rank, bench/deepspeed_rank.py) keeps them

@@ -48,7 +48,8 @@ def run_variant(args: argparse.Namespace) -> None:
     counters = Counters(args.devices, int(os.environ.get("LOCAL_RANK", "0")))
     module = make_module(args, variant)  # same seed on every rank: identical initial weights everywhere
     strategy = make_strategy(args, variant)
-    install_counters(variant, counters)
+    if args.suite != "speed":  # the speed suite patches nothing into a peer (its bytes are computed)
+        install_counters(variant, counters)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
                          max_steps=args.warmup + args.steps + n_profiled, max_epochs=epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -32,9 +32,11 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_bf16": {"param_dtype": "bf16"},
     "_offload": {"offload_optimizer": True},
     "_offload_all": {"offload_optimizer": True, "offload_params": True},
+    "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (before gloo's all-reduce path)
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
-            "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all")
+            "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
+            "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs")
 OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
 STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
@@ -43,6 +45,9 @@ SUITES = {
     "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
     "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
     "peak": ("ddp", "zero0", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
+    # tokens/s side by side, best of the repeats (bench_speed.py); ``single``: plain Lightning on one device (the
+    # world-1 table's reference)
+    "speed": ("ddp", "zero_r", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
 }
 # variants a suite runs only when ``--variants`` names them (the default table stays as it is), e.g.
 # ``bench_peak.py --variants zero2 zero2_ac zero3 zero3_ac zero3_bf16 zero3_offload zero3_offload_all``
@@ -51,7 +56,10 @@ DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
 # the DeepSpeed peers are in the default peak table where DeepSpeed is installed (the ``bench-deepspeed`` extra)
 if importlib.util.find_spec("deepspeed") is not None:
     SUITES["peak"] = SUITES["peak"] + DEEPSPEED
-OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"])}
+    SUITES["speed"] = SUITES["speed"] + DEEPSPEED
+OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"]),
+          "speed": ("single", "zero0") + _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
+DEFAULT_KNOBS = ("peak", "speed")  # suites that run every strategy with its default knobs (make_strategy)
 
 
 def split_variant(variant: str) -> tuple[str, dict[str, Any]]:
@@ -73,6 +81,7 @@ ALL_SUITES = ("zero12", "zero3", "unused")
 VARIANTS = tuple(dict.fromkeys(v for suite in SUITES for v in suite_variants(suite)))
 MODELS = ("gpt", "hf_gpt2")
 NOTES = {
+    "single": "plain Lightning on one device (Trainer(devices=1), no distributed strategy)",
     "zero0": "lightning_shard stage 0: bucketed all-reduce, replicated AdamW",
     "zero1": "lightning_shard: reduce-scatter grads, sharded AdamW, all-gather params",
     "zero2": "as zero1, full grads freed after reduce-scatter",
@@ -93,6 +102,11 @@ NOTES = {
     "zero3_offload": "zero3 with offload_optimizer=True",
     "fsdp_shard_offload": "fsdp_shard with offload_optimizer=True",
     "zero3_offload_all": "zero3 with offload_optimizer=True and offload_params=True (shards in host memory too)",
+    "zero1_rs": "zero1 with reduce_scatter_via='reduce_scatter' (gloo's own reduce-scatter, the default until "
+                "issue 16)",
+    "zero2_rs": "zero2 with reduce_scatter_via='reduce_scatter'",
+    "zero3_rs": "zero3 with reduce_scatter_via='reduce_scatter'",
+    "fsdp_shard_rs": "fsdp_shard with reduce_scatter_via='reduce_scatter'",
     "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
                 "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
                 "= bucket_mb MiB of fp32 elements (25 MiB: 6,553,600), overlap_comm=False, "
@@ -248,6 +262,8 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
     import lightning_shard  # noqa: F401  (registers the strategy names)
     from lightning_shard.strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy
 
+    if variant == "single":
+        return "auto"
     if variant in ("ddp", "zero_r"):
         return DDPStrategy(process_group_backend="gloo")
     if variant == "fsdp2":
@@ -256,7 +272,7 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
     base, ac = split_variant(variant)  # ``<strategy><suffix>``: the strategy with the suffix's knobs (peak suite)
     cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
            "zero2_nomask": Zero2Strategy}.get(base)
-    if getattr(args, "suite", None) == "peak":  # default knobs (bucket_mb as the other suites pass it)
+    if getattr(args, "suite", None) in DEFAULT_KNOBS:  # default knobs (bucket_mb as the other suites pass it)
         if base == "zero3":
             return Zero3Strategy(**ac)
         if base == "fsdp_shard":

@@ -194,10 +194,11 @@ REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_reduce")
 
 def reduce_scatter_via_all_reduce(choice: str, group: Group = None) -> bool:
     """Whether the engine's gradient reduce-scatters on ``group`` run as an in-place all-reduce of the bucket (each
-    rank keeping its range): ``choice`` ``"all_reduce"``, or ``"auto"`` on gloo. Gloo's all-reduce is faster than
-    its reduce-scatter for the same tensor at every size measured (0.5-100 MiB, 2 and 4 CPU ranks, torch 2.13:
-    1.1-1.7x, ``bench/bench_collectives.py``) although it moves twice the bytes; NCCL's reduce-scatter is the
-    fast one, so ``"auto"`` keeps it everywhere but gloo. The sums are the same (for more than two ranks up to the
+    rank keeping its range): ``choice`` ``"all_reduce"``, or ``"auto"`` on gloo. Gloo's all-reduce plus the copy of
+    this rank's slice beats its reduce-scatter of the same tensor 1.3-1.8x at 8-32 MiB (the bucket sizes) on 2 and 4
+    CPU ranks, torch 2.13 (``bench/bench_collectives.py``, ``bench/results/collectives.md``; of the smaller sizes only
+    world 4 x 2 MiB went the other way, 0.88x) although it moves twice the bytes; NCCL's reduce-scatter is the fast
+    one, so ``"auto"`` keeps it everywhere but gloo. The sums are the same (for more than two ranks up to the
     order of floating-point additions); the ledger records the all-reduce and its bytes."""
     if choice not in REDUCE_SCATTER_VIA:
         raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got {choice!r}")

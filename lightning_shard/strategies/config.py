@@ -73,8 +73,8 @@ class ZeroConfig:
     reduce_scatter_via: str = knob("auto", """How zero1-3 reduce-scatter a gradient bucket: ``"reduce_scatter"`` (the
         backend's own collective: (N-1)/N of the bucket's bytes per rank), ``"all_reduce"`` (an in-place all-reduce of
         the bucket, of which each rank keeps its range: the same sums, twice the bytes on the wire, as the ledger
-        records), ``"auto"``: ``all_reduce`` on gloo, whose all-reduce is faster than its reduce-scatter at every
-        bucket size measured (1.1-1.7x, 0.5-100 MiB, 2 and 4 ranks: docs/speed.md), ``reduce_scatter`` on every other
+        records), ``"auto"``: ``all_reduce`` on gloo, whose all-reduce and slice beat its reduce-scatter 1.3-1.8x at
+        bucket sizes 8-32 MiB on 2 and 4 ranks (bench/results/collectives.md), ``reduce_scatter`` on every other
         backend (NCCL).""", choices=("auto", "reduce_scatter", "all_reduce"))
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
     broadcast_buffers: bool = knob(True, "Broadcast buffers (BatchNorm statistics) from rank 0 after every "

@@ -46,3 +46,30 @@ def test_bench_zero12_smoke(tmp_path):
     assert res["ddp"]["wire_detail_rank0"]["allreduce_bytes_per_step"] > 0
     md = (tmp_path / "zero12.md").read_text()
     assert "| variant | tokens/s (rank mean) | vs DDP |" in md and "profiled step(s)" in md
+
+
+def test_bench_speed_smoke(tmp_path):
+    """The speed suite's main table at the smallest sizes: best-of ratios, the same phase fields for ours and a peer
+    (wall and off-CPU per phase, page faults), the engine's collective labels from the profiled window."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    argv = [sys.executable, str(REPO / "bench" / "bench_speed.py"), "--quick", "--model", "gpt", "--variants",
+            "zero2", "ddp", "--repeats", "2", "--profile-steps", "1", "--timeout", "120", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "speed.json").read_text())
+    assert doc["table"] == "main" and [s["title"] for s in doc["row_sets"]] == ["gpt 2x64"]
+    res = doc["row_sets"][0]["results"]
+    assert list(res) == ["zero2", "ddp"]
+    for v, r in res.items():
+        assert "error" not in r, r.get("log_tail")
+        assert len(r["repeats"]) == 2
+        assert r["tokens_per_s_best"] == max(x["tokens_per_s_mean"] for x in r["repeats"]), v
+        assert set(r["off_cpu_s_per_step_rank0"]) == set(r["phase_s_per_step_rank0"]), v
+        assert r["minor_faults_per_step_rank0"] is not None, v
+    assert res["zero2"]["ratio_vs_ddp"] == res["zero2"]["tokens_per_s_best"] / res["ddp"]["tokens_per_s_best"]
+    labels = res["zero2"]["labels_s_per_step_rank0"]
+    assert {"lightning_shard.reduce_launch", "lightning_shard.reduce_wait", "lightning_shard.post_backward"} <= set(
+        labels), labels
+    assert "DistributedDataParallel.forward" in res["ddp"]["labels_s_per_step_rank0"]
+    md = (tmp_path / "speed.md").read_text()
+    assert "| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 |" in md and "page faults / step" in md

@@ -1,0 +1,215 @@
+"""The speed suite (``bench_speed.py``): tokens/s of ours and the peers side by side, and where the step time goes.
+
+Four tables, each a set of row sets run by the same driver as the other suites (``driver.run_suite``: every variant
+in fresh processes, N CPU ranks x 1 thread, gloo; repeats in alternating order ABC CBA ABC), every strategy with its
+default knobs, the DDP baseline without the counting comm hook (nothing patched into any peer):
+
+* ``main`` -> ``bench/results/speed.{json,md}``: Hugging Face GPT-2 6 x 384 (vocab 16384, ~17M parameters, micro-batch
+  8 x 128 per rank) and the recipe GPT 6 x 512 (vocab 8192, 23M, micro-batch 4 x 128), world 2: Lightning DDP,
+  ZeroRedundancyOptimizer, zero1, zero2, FSDP2, zero3, fsdp_shard (and DeepSpeed ZeRO-1/2/3 where installed);
+  tokens/s is the **best** of the repeats, ratios against Lightning DDP and torch FSDP2.
+* ``world1`` -> ``speed_world1``: every strategy at world 1 against plain single-device Lightning (``single``): the
+  engine's own overhead (hooks, flat buffers, copies, chunked optimizer), no communication.
+* ``scaling`` -> ``speed_scaling``: world 1, 2 and 4 on the same per-rank batch; efficiency = tokens/s(N) / (N x
+  tokens/s(1)) per variant. On this 2-core machine world 4 runs 4 ranks on 2 cores: its efficiency is at most 0.5.
+* ``sizes`` -> ``speed_sizes``: step time against parameter count (recipe GPT 4 x 256, 6 x 512, 8 x 768) and, at
+  about the same count, against the number of parameter tensors (24 x 256: 4x the tensors of 6 x 512).
+
+Per variant, rank 0, seconds per step: the wall time of forward / backward (incl. gradient sync) / optimizer (incl.
+parameter sync) over the timed steps, and of each the part the main thread was off the CPU (wall - its CPU time:
+blocked in a collective's wait, or preempted), measured the same way for every variant; then the profiler labels
+of a window of extra steps after the timed ones: ours (``lightning_shard.*``: engine phases, each collective's launch
+and wait), FSDP2's ``FSDP::*``, DDP's forward, the optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from variants import DEEPSPEED, model_param_count
+
+TABLES = ("main", "world1", "scaling", "sizes")
+GPT2 = dict(model="hf_gpt2", n_layer=6, n_embd=384, n_head=6, vocab=16384, batch_size=8)
+RECIPE = dict(model="gpt", n_layer=6, n_embd=512, n_head=8, vocab=8192, batch_size=4)
+SIZES = [dict(RECIPE, n_layer=4, n_embd=256), dict(RECIPE), dict(RECIPE, n_layer=8, n_embd=768),
+         dict(RECIPE, n_layer=24, n_embd=256)]
+VARIANTS = {
+    "world1": ("single", "zero0", "zero1", "zero2", "zero3", "fsdp_shard", "fsdp2"),
+    "scaling": ("ddp", "zero1", "zero2", "zero3", "fsdp_shard", "fsdp2"),
+    "sizes": ("ddp", "zero2", "zero3", "fsdp_shard", "fsdp2"),
+}
+# the labels of the phase table, in order (``measure.LABEL_PREFIXES`` families; a label a variant lacks is "-")
+OUR_LABELS = ("post_backward", "reduce_launch", "reduce_wait", "param_gather_launch", "param_gather_wait",
+              "gather_launch", "gather_wait", "prepare_step", "finish_step")
+FSDP_LABELS = ("FSDP::pre_forward", "FSDP::all_gather", "FSDP::all_gather_copy_out", "FSDP::post_backward_reduce",
+               "FSDP::post_backward_rs_wait")
+
+
+def row_sets(args: argparse.Namespace, table: str) -> list[tuple[str, argparse.Namespace]]:
+    """``(title, args)`` per row set of ``table``: the driver's arguments with the model, batch and world set."""
+    def at(tag: str, spec: dict[str, Any], **extra: Any) -> tuple[str, argparse.Namespace]:
+        a = argparse.Namespace(**vars(args))
+        for k, v in {**spec, **extra}.items():
+            setattr(a, k, v)
+        return tag, a
+
+    model = GPT2 if args.model in (None, "hf_gpt2") else RECIPE
+    if args.quick:  # the smoke run: every row set at a tiny size (the same code paths)
+        def at(tag: str, spec: dict[str, Any], _at=at, **extra: Any) -> tuple[str, argparse.Namespace]:  # noqa: F811
+            return _at(tag, {**spec, "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 512, "batch_size": 2},
+                       **extra)
+    if table == "main":
+        both = [at("hf_gpt2", GPT2), at("gpt", RECIPE)]
+        return [s for s in both if s[1].model == args.model] if getattr(args, "model_given", False) else both
+    if table == "world1":
+        return [at(model["model"], model, devices=1)]
+    if table == "scaling":
+        return [at(f"world {n}", model, devices=n) for n in (1, 2, 4)]
+    return [at("gpt", s) for s in SIZES]
+
+
+def table_variants(args: argparse.Namespace, table: str, default: tuple[str, ...]) -> list[str]:
+    chosen = args.variants if args.variants_given else list(VARIANTS.get(table, default))
+    if table in ("world1", "scaling", "sizes"):  # DeepSpeed only in the main table
+        chosen = [v for v in chosen if v not in DEEPSPEED]
+    return chosen
+
+
+def run_speed(args: argparse.Namespace, run_suite: Any, env: dict[str, str], machine: dict[str, Any],
+              default: tuple[str, ...]) -> list[str]:
+    """Every table named by ``--tables``; the files written."""
+    written = []
+    for table in args.tables:
+        t0 = time.perf_counter()
+        variants = table_variants(args, table, default)
+        sets = []
+        for title, a in row_sets(args, table):
+            tmp = Path(args.out_dir) / f"speed_{table}.tmp"
+            tmp.mkdir(parents=True, exist_ok=True)
+            n = model_param_count(a)
+            print(f"[{table}] {title}: {n / 1e6:.1f}M params, world {a.devices}, micro-batch {a.batch_size} x "
+                  f"{a.block_size}; variants {' '.join(variants)}", flush=True)
+            t_set = time.perf_counter()
+            title = f"{title} {a.n_layer}x{a.n_embd}"
+            tag = f"{title.replace(' ', '_')}."
+            results = run_suite(a, "speed", [v for v in variants if not (a.devices == 1 and v == "zero_r")], tmp,
+                                env, {}, tag)
+            sets.append({"title": title, "world": a.devices, "params": n, "tensors": tensor_count(a),
+                         "model": {k: getattr(a, k) for k in ("model", "n_layer", "n_embd", "n_head", "vocab",
+                                                               "block_size", "batch_size")},
+                         "results": results, "wall_s": time.perf_counter() - t_set})
+        doc = {"suite": "speed", "table": table, "machine": machine, "wall_s": time.perf_counter() - t0,
+               "command": " ".join([Path(sys.executable).name] + sys.argv), "row_sets": sets}
+        stem = "speed" if table == "main" else f"speed_{table}"
+        out_json, out_md = Path(args.out_dir) / f"{stem}.json", Path(args.out_dir) / f"{stem}.md"
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(doc, indent=1))
+        md = markdown_speed(doc)
+        out_md.write_text(md)
+        print("\n" + md, flush=True)
+        written += [str(out_json), str(out_md)]
+    return written
+
+
+def tensor_count(args: argparse.Namespace) -> int:
+    import torch
+    from variants import build_model
+
+    with torch.device("meta"):
+        return len(list(build_model(args).parameters()))
+
+
+# ============================================================================================ Markdown
+def _f(x: Any, d: int = 3) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def best(r: dict[str, Any]) -> float:
+    return r.get("tokens_per_s_best", r.get("tokens_per_s_mean", 0.0))
+
+
+def _ratio(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+    if not base or "error" in base or "error" in r or not best(base):
+        return "-"
+    return f"{best(r) / best(base):.3f}"
+
+
+def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = None) -> list[str]:
+    res = s["results"]
+    base_single, ddp, fsdp2 = res.get("single"), res.get("ddp"), res.get("fsdp2")
+    head = "| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 |"
+    sep = "| --- | ---: | --- | ---: | ---: |"
+    if table == "world1":
+        head, sep = head + " vs single |", sep + " ---: |"
+    if table == "scaling" and world1 is not None:
+        head, sep = head + " efficiency |", sep + " ---: |"
+    if table == "sizes":
+        head, sep = head + " median step s |", sep + " ---: |"
+    lines = [head, sep]
+    for v, r in res.items():
+        if "error" in r:
+            lines.append(f"| {v} | failed: {r.get('error_line') or r['error']} | | | |")
+            continue
+        runs = "/".join(f"{x['tokens_per_s_mean']:.0f}" for x in r.get("repeats", []))
+        row = f"| {v} | {best(r):.0f} | {runs} | {_ratio(r, ddp)} | {_ratio(r, fsdp2)} |"
+        if table == "world1":
+            row += f" {_ratio(r, base_single)} |"
+        if table == "scaling" and world1 is not None:
+            one = world1["results"].get(v)
+            # tokens/s here is per rank: efficiency = total(N) / (N x total(1)) = per-rank(N) / per-rank(1)
+            eff = best(r) / best(one) if one and "error" not in one and best(one) else None
+            row += f" {_f(eff, 2)} |"
+        if table == "sizes":
+            row += f" {_f(sorted(r['median_step_s_per_rank'])[0])} |"
+        lines.append(row)
+    return lines
+
+
+def phase_rows(s: dict[str, Any]) -> list[str]:
+    lines = ["| variant | forward | (off-CPU) | backward+sync | (off-CPU) | optimizer+sync | (off-CPU) | step | "
+             "page faults / step | profiled labels (s/step) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for v, r in s["results"].items():
+        if "error" in r:
+            continue
+        p, off = r["phase_s_per_step_rank0"], r.get("off_cpu_s_per_step_rank0") or {}
+        cells = []
+        for k in ("forward", "backward_and_grad_sync", "optimizer_and_param_sync"):
+            cells += [_f(p.get(k)), _f(off.get(k))]
+        lab = r.get("labels_s_per_step_rank0") or {}
+        named = [(k, lab.get(f"lightning_shard.{k}")) for k in OUR_LABELS] + [(k, lab.get(k)) for k in FSDP_LABELS]
+        named += [(k, x) for k, x in lab.items() if k.startswith("DistributedDataParallel.")]
+        text = ", ".join(f"{k.replace('FSDP::', 'FSDP ')} {x:.3f}" for k, x in named if x)
+        faults = r.get("minor_faults_per_step_rank0")
+        lines.append(f"| {v} | {' | '.join(cells)} | {sum(p.values()):.3f} | {_f(faults, 0)} | {text or '-'} |")
+    return lines
+
+
+def markdown_speed(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    title = {"main": "Speed: ours and the peers side by side", "world1": "Speed at world 1: the engine's overhead",
+             "scaling": "Speed: scaling over world 1, 2, 4", "sizes": "Speed: step time against model size and "
+             "against the number of parameter tensors"}[doc["table"]]
+    lines = [f"# {title}", "",
+             f"{m['cores']} cores ({m['cpu']}), CPU ranks x 1 thread, gloo; torch {m['torch']}, lightning "
+             f"{m['lightning']}, python {m['python']}. fp32 AdamW, seq {m['model']['block_size']}; "
+             f"{m['warmup_steps']} warmup + {m['timed_steps']} timed steps per run, {m['repeats']} runs per variant in "
+             "alternating order (ABC CBA ...); tokens/s per rank between the first and the last timed step, the "
+             f"best run's; every strategy with default knobs; bucket_mb={m['bucket_mb']}; profiler window "
+             f"{m.get('profile_steps')} steps after the timed ones.",
+             f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s).", ""]
+    world1 = doc["row_sets"][0] if doc["table"] == "scaling" else None
+    for s in doc["row_sets"]:
+        mm = s["model"]
+        lines += [f"## {s['title']}: {s['params'] / 1e6:.2f}M parameters in {s['tensors']} tensors, world "
+                  f"{s['world']}, micro-batch {mm['batch_size']} x {mm['block_size']} per rank", ""]
+        lines += speed_rows(s, doc["table"], world1 if s is not world1 else None)
+        lines += ["", "Where the step goes (rank 0, s per step; off-CPU = wall - main-thread CPU: waits and "
+                  "preemption):", ""]
+        lines += phase_rows(s) + [""]
+    return "\n".join(lines) + "\n"
