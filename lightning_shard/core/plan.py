@@ -6,7 +6,8 @@ communicates or copies; parameters may live on the meta device (only identities,
 
 * stages 0-2: trainable parameters that an optimizer holds, in REVERSE registration order (roughly the order
   backward produces gradients, as DDP), fill one open bucket per (optimizer, param group, dtype, device); a
-  bucket closes once its bytes reach ``bucket_bytes``.
+  bucket closes once its bytes reach ``bucket_bytes`` or once ``bucket_bytes`` of the model have been walked since
+  it opened; buckets are ordered by where they complete (:func:`flat_buckets`).
 * stage 3: inside each unit, one bucket per (optimizer and param group, or frozen; dtype; device) in first-seen
   order. The engine orders the buckets in reverse unit order (the reduction launch order).
 """
@@ -55,21 +56,34 @@ def bucketed_trainable(module: nn.Module, owner: dict[int, Owner]) -> list[nn.Pa
 
 def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
                  dtype_of: DtypeOf = _own_dtype) -> list[tuple[Owner, list[nn.Parameter]]]:
-    """Stages 0-2: the buckets in launch order, each ``(owner, parameters)``."""
-    open_buckets: dict[tuple, list[nn.Parameter]] = {}
+    """Stages 0-2: the buckets in launch order, each ``(owner, parameters)``.
+
+    Walking the parameters in reverse registration order (about the order backward produces their gradients), a
+    bucket closes when its own bytes reach ``bucket_bytes`` **or** when ``bucket_bytes`` of parameters (of any
+    group) have been walked since it opened: so a param group spread thinly over the whole model (the biases and
+    norms of a no-weight-decay group) is cut into buckets that fill as backward goes, instead of one bucket that
+    is complete only at the end of backward. Buckets are returned in the order they complete in that walk (the
+    position of their last parameter), which is the order they are launched in: a bucket never waits for one that
+    completes later."""
+    params: dict[tuple, list[nn.Parameter]] = {}  # the open buckets
+    opened: dict[tuple, int] = {}  # bytes walked when each opened
+    last: dict[tuple, int] = {}  # walk position of its last parameter
     sizes: dict[tuple, int] = {}
-    ordered: list[tuple[Owner, list[nn.Parameter]]] = []
-    for p in reversed(bucketed_trainable(module, owner)):
+    done: list[tuple[int, Owner, list[nn.Parameter]]] = []  # (position of the last parameter, owner, params)
+    walked = 0
+    for pos, p in enumerate(reversed(bucketed_trainable(module, owner))):
         dtype = dtype_of(p)
         key = (*owner[id(p)], dtype, p.device)
-        if key not in open_buckets:
-            open_buckets[key], sizes[key] = [], 0
-            ordered.append((owner[id(p)], open_buckets[key]))
-        open_buckets[key].append(p)
+        if key not in params:
+            params[key], opened[key], sizes[key] = [], walked, 0
+        params[key].append(p)
+        last[key] = pos
         sizes[key] += p.numel() * dtype.itemsize
-        if sizes[key] >= bucket_bytes:
-            del open_buckets[key]
-    return ordered
+        walked += p.numel() * dtype.itemsize
+        for k in [k for k in params if sizes[k] >= bucket_bytes or walked - opened[k] >= bucket_bytes]:
+            done.append((last[k], owner[id(params[k][0])], params.pop(k)))
+    done += [(last[k], owner[id(ps[0])], ps) for k, ps in params.items()]
+    return [(o, ps) for _, o, ps in sorted(done, key=lambda d: d[0])]
 
 
 def unit_buckets(spec: UnitSpec, owner: dict[int, Owner],
