@@ -182,10 +182,32 @@ def profiled_phases() -> list[str]:
 
 
 def test_engine_phases_are_profiler_labels(w):
-    """bench/ times the engine's phases from these labels (no method patching)."""
+    """bench/ times the engine's phases from these labels (no method patching): the engine's methods, and each
+    collective's launch and wait (stage 2: gradient reductions, post-step parameter all-gathers)."""
     assert w.run(profiled_phases)[0] == ["lightning_shard.finish_step", "lightning_shard.leave_out_unused",
+                                         "lightning_shard.param_gather_launch", "lightning_shard.param_gather_wait",
                                          "lightning_shard.post_backward", "lightning_shard.pre_backward",
-                                         "lightning_shard.prepare_step"]
+                                         "lightning_shard.prepare_step", "lightning_shard.reduce_launch",
+                                         "lightning_shard.reduce_wait"]
+
+
+def stage3_labels() -> list[str]:
+    from lightning_shard.core.config import UnitConfig
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ShardEngine(model, [opt], stage=3, units=UnitConfig())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train(engine, model, opt, 1)
+    engine.remove_hooks()
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("lightning_shard.")})
+
+
+def test_stage3_gathers_are_profiler_labels(w):
+    labels = w.run(stage3_labels)[0]
+    assert {"lightning_shard.gather_launch", "lightning_shard.gather_wait", "lightning_shard.reduce_launch",
+            "lightning_shard.reduce_wait"} <= set(labels), labels
+    assert "lightning_shard.param_gather_launch" not in labels  # stage 3 gathers on use, not after the step
 
 
 def gathers_left_in_flight(profiling: bool) -> list[bool]:
