@@ -4,8 +4,8 @@
 stage         num_shards    reduce_scatters    frees_grads          shards_params    gathers_after_step
 ============  ============  =================  ===================  ===============  ====================
 0             1             no (all-reduce)    no                   no               no
-1             N             yes                no                   no               yes
-2             N             yes                yes                  no               yes
+1             N             yes                no                   no               yes (N > 1)
+2             N             yes                yes                  no               yes (N > 1)
 3             N             yes                yes                  yes              no (per unit, on use)
 ============  ============  =================  ===================  ===============  ====================
 """
@@ -46,5 +46,7 @@ class ShardSpec:
 
     @property
     def gathers_after_step(self) -> bool:
-        """Full parameters live on every rank and are all-gathered after each step (ZeRO-1/2)."""
-        return self.stage in (1, 2)
+        """Full parameters live on every rank and are all-gathered after each step (ZeRO-1/2); a shard group of one
+        rank owns the whole buffer, so there is nothing to gather (the all-gather at world 1 was a copy onto
+        itself plus a wait in the next forward, 4% of the step: bench/results/speed_world1.md)."""
+        return self.stage in (1, 2) and self.world > 1

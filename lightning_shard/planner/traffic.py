@@ -110,7 +110,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
             out.append(Collective("all_reduce", "world", N, 4, "found_inf", "step", last))
         if job.clip and layout.stage > 0 and S > 1:
             out.append(Collective("all_reduce", gname, S, 4, "grad_norm", "step", last))
-        if layout.stage in (1, 2):
+        if layout.stage in (1, 2) and S > 1:  # a shard group of one rank has nothing to gather
             for b in mine:
                 out.append(Collective("all_gather", gname, S, b.padded_numel * b.itemsize, "param", "step", last))
         if job.broadcast_buffers and N > 1:

@@ -277,3 +277,31 @@ def test_zero2_holds_full_gradients_only_for_the_buckets_in_flight(w, stage):
         assert r["peak"] <= (IN_FLIGHT + 1) * r["bucket"] < r["total"], r
     acc = w.run(full_grad_bytes_during_backward, stage, 2)[0]
     assert acc["peak"] == acc["total"]  # the first micro-batch's gradients are held for the boundary
+
+
+def world_one_fit(stage: int) -> bool:
+    model, ref = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=0.0002)
+    assert len(engine.buckets) > 1 and not engine.gathers.overlap
+    mark = C.LEDGER.mark()
+    _train(engine, model, opt, 3)
+    engine.wait_params()
+    assert not [e for e in C.LEDGER.since(mark) if e.op == "all_gather"]
+    X, Y = _data(3, 1)
+    for s in range(3):
+        ref_opt.zero_grad()
+        ((ref(X[s]) - Y[s]) ** 2).mean().backward()
+        ref_opt.step()
+    engine.remove_hooks()
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), n
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_world_one_has_no_post_step_gather(worlds, stage):
+    """One rank owns the whole buffer: zero1/2 issue no post-step all-gather at world 1 (it was a copy onto itself
+    plus a wait in the next forward) and the weights are those of plain torch training."""
+    assert worlds(1).run(world_one_fit, stage) == [True]
