@@ -52,17 +52,16 @@ FSDP_LABELS = ("FSDP::pre_forward", "FSDP::all_gather", "FSDP::all_gather_copy_o
 
 def row_sets(args: argparse.Namespace, table: str) -> list[tuple[str, argparse.Namespace]]:
     """``(title, args)`` per row set of ``table``: the driver's arguments with the model, batch and world set."""
+    # the smoke run (``--quick``): every row set at a tiny size, the same code paths
+    tiny = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 512, "batch_size": 2} if args.quick else {}
+
     def at(tag: str, spec: dict[str, Any], **extra: Any) -> tuple[str, argparse.Namespace]:
         a = argparse.Namespace(**vars(args))
-        for k, v in {**spec, **extra}.items():
+        for k, v in {**spec, **tiny, **extra}.items():
             setattr(a, k, v)
         return tag, a
 
     model = GPT2 if args.model in (None, "hf_gpt2") else RECIPE
-    if args.quick:  # the smoke run: every row set at a tiny size (the same code paths)
-        def at(tag: str, spec: dict[str, Any], _at=at, **extra: Any) -> tuple[str, argparse.Namespace]:  # noqa: F811
-            return _at(tag, {**spec, "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 512, "batch_size": 2},
-                       **extra)
     if table == "main":
         both = [at("hf_gpt2", GPT2), at("gpt", RECIPE)]
         return [s for s in both if s[1].model == args.model] if getattr(args, "model_given", False) else both
