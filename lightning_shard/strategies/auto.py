@@ -15,10 +15,10 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .adapter import ATTRIBUTE_OF
 from .config import AutoConfig
 from .knobs import describe, takes_knobs_of
 from .layout import make_groups, resolve_topology
-from .zero import ATTRIBUTE_OF
 from .zero3 import Zero3Strategy
 
 log = logging.getLogger(__name__)

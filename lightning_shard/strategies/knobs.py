@@ -42,7 +42,8 @@ def signature_of(cls: type) -> inspect.Signature:
     params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
               for f in dataclasses.fields(config)]
     params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                 annotation=_LIGHTNING_TYPES.get(n, Any)) for n in LIGHTNING_ARGS]
+                                 annotation=_LIGHTNING_TYPES.get(n, Any))
+               for n in getattr(cls, "LIGHTNING_ARGS", LIGHTNING_ARGS)]
     return inspect.Signature(params, return_annotation=None)
 
 

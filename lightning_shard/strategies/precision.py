@@ -25,6 +25,48 @@ if TYPE_CHECKING:
 SUPPORTED = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
+def check_grads(engine: "ShardEngine", optimizer: Any, loss_scaler: Optional[LossScaler]) -> str:
+    """After the boundary backward: make the shard gradients final, then the fp16 overflow check (gradients unscaled)
+    or the non-finite check, agreed on every rank. ``"ok"``, ``"overflow"`` (fp16) or ``"nonfinite"``
+    (``skip_nonfinite=True``, warned; ``False`` raises)."""
+    engine.prepare_step(optimizer)
+    if loss_scaler is not None:
+        return "overflow" if engine.unscale_and_check(optimizer, 1.0 / loss_scaler.scale) else "ok"
+    if engine.skip_nonfinite is not None:
+        bad = engine.find_nonfinite(optimizer)
+        if bad is not None:
+            if not engine.skip_nonfinite:
+                raise FloatingPointError(f"non-finite gradient in parameter {bad}; the step was not taken on any "
+                                         "rank. Lower the learning rate, clip gradients, or pass "
+                                         "skip_nonfinite=True to skip such steps with a warning.")
+            warnings.warn(f"non-finite gradient in parameter {bad}: optimizer step skipped on every rank",
+                          stacklevel=4)
+            return "nonfinite"
+    return "ok"
+
+
+def sharded_step(engine: "ShardEngine", optimizer: Any, loss_scaler: Optional[LossScaler],
+                 before_step: Callable[[], None], step: Callable[[], Any], checked: Optional[str] = None) -> str:
+    """One optimizer step on the engine's shards: :func:`check_grads` (unless ``checked`` already holds its answer),
+    ``before_step`` (hooks, clipping: on true gradients), ``step``, then the post-step parameter gather. Returns
+    ``"stepped"``, ``"overflow"`` (fp16: skipped, scale lowered) or ``"nonfinite"`` (skipped with a warning).
+    Shared by the Trainer's precision plugin and the Fabric strategies."""
+    outcome = checked if checked is not None else check_grads(engine, optimizer, loss_scaler)
+    if outcome == "nonfinite":
+        engine.skip_step(optimizer)
+        return outcome
+    before_step()
+    if outcome == "overflow":  # every rank got the same answer from the all-reduced flag
+        engine.skip_step(optimizer)
+        loss_scaler.update(True)
+        return outcome
+    step()
+    engine.finish_step(optimizer)
+    if loss_scaler is not None:
+        loss_scaler.update(False)
+    return "stepped"
+
+
 class ShardedPrecision(Precision):
     def __init__(self, inner: Optional[Precision] = None) -> None:
         inner = inner if inner is not None else Precision()
@@ -79,33 +121,11 @@ class ShardedPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        engine = self.engine
         closure_result = closure()  # forward + backward (the boundary backward finishes the reductions)
-        engine.prepare_step(optimizer)
-        found_inf = False
-        if self.loss_scaler is not None:
-            found_inf = engine.unscale_and_check(optimizer, 1.0 / self.loss_scaler.scale)
-        elif engine.skip_nonfinite is not None:
-            bad = engine.find_nonfinite(optimizer)
-            if bad is not None:
-                if not engine.skip_nonfinite:
-                    raise FloatingPointError(f"non-finite gradient in parameter {bad}; the step was not taken on any "
-                                             "rank. Lower the learning rate, clip gradients, or pass "
-                                             "skip_nonfinite=True to skip such steps with a warning.")
-                warnings.warn(f"non-finite gradient in parameter {bad}: optimizer step skipped on every rank",
-                              stacklevel=2)
-                engine.skip_step(optimizer)
-                self.skipped_steps += 1
-                return closure_result
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping, on true grads
-        if found_inf:  # every rank got the same answer from the all-reduced flag
-            engine.skip_step(optimizer)
-            self.loss_scaler.update(True)
-            return closure_result
-        optimizer.step(**kwargs)
-        engine.finish_step(optimizer)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(False)
+        outcome = sharded_step(self.engine, optimizer, self.loss_scaler, lambda: self._after_closure(model, optimizer),
+                               lambda: optimizer.step(**kwargs))
+        if outcome == "nonfinite":
+            self.skipped_steps += 1
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:

@@ -8,15 +8,11 @@ Knobs: :class:`~lightning_shard.strategies.config.ZeroConfig` (each documented t
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import logging
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Generator, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -28,26 +24,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from ..core import activation
 from ..core import collectives as C
 from ..core.config import parse_param_dtype
-from ..core.engine import ShardEngine, sync_module_states
+from ..core.engine import sync_module_states
 from . import summary
+from .adapter import EngineAdapter
 from .checkpointing import CheckpointMixin
 from .config import ZeroConfig
 from .knobs import LIGHTNING_ARGS, describe, takes_knobs_of
-from .layout import Groups, check_job_placement, make_groups, resolve_topology
 from .precision import ShardedPrecision
 
 log = logging.getLogger(__name__)
-# knob -> attribute name where it is not the knob's own
-ATTRIBUTE_OF = {"topology": "topology_spec", "start_method": "_start_method",
-              "process_group_backend": "_process_group_backend"}
 
 
-class ZeroStrategy(CheckpointMixin, ParallelStrategy):
+class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
     CONFIG: type[ZeroConfig] = ZeroConfig  # the knobs (strategies/config.py); KNOBS, STAGES, ACCUMULATION follow
     KNOBS: tuple[str, ...] = ZeroConfig.names() + LIGHTNING_ARGS
+    LIGHTNING_ARGS = LIGHTNING_ARGS  # Lightning's own Strategy arguments, passed on
     STAGES: tuple[int, ...] = ZeroConfig.STAGES
     DEFAULT_STAGE = 2  # ``stage=None``: the class's own (0/1/2 for zero0/1/2)
     ACCUMULATION: tuple[str, ...] = ZeroConfig.choices("accumulation")
@@ -61,32 +55,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
 
     @takes_knobs_of(ZeroConfig)
     def __init__(self, **knobs: Any) -> None:
-        lightning = {k: knobs.pop(k) for k in LIGHTNING_ARGS if k in knobs}
-        unknown = [k for k in knobs if k not in self.KNOBS]
-        if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(k, self.KNOBS, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
-                            f"{', '.join(self.KNOBS)}")
-        cfg = self.CONFIG(**knobs)
-        if cfg.stage is None:
-            cfg.stage = self.DEFAULT_STAGE
-        cfg.validate(type(self).__name__)
-        super().__init__(**{k: lightning.get(k) for k in LIGHTNING_ARGS})
-        self.config = cfg  # as constructed (strategy=auto's apply() changes the attributes below, not this)
-        for f in dataclasses.fields(cfg):  # every knob an attribute (three under other names)
-            setattr(self, ATTRIBUTE_OF.get(f.name, f.name), getattr(cfg, f.name))
+        super().__init__(**self._take_knobs(knobs))
         self._reader: Any = None
-        self._groups = Groups()
-        self.placement_warning: Optional[str] = None
-        self._timeout = timedelta(seconds=cfg.timeout_s)
-        self._startup_timeout = timedelta(seconds=cfg.startup_timeout_s)
         self._num_nodes = 1
-        self.engine: Optional[ShardEngine] = None
-        self.accumulation_policy: Optional[str] = None
-        self.accumulation_reason: str = ""
         self._masters_from_checkpoint: dict[str, torch.Tensor] = {}
         self._checkpointing: Optional[activation.ActivationCheckpointing] = None
 
@@ -143,26 +114,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if C.is_initialized():  # e.g. a second fit in the same process, or a harness that made the group
-            if C.get_world_size() != self.world_size:
-                raise ValueError(
-                    f"a process group of {C.get_world_size()} ranks already exists but the Trainer asks for "
-                    f"{self.num_nodes} node(s) x {self.num_processes} device(s) = {self.world_size} ranks; set "
-                    f"Trainer(devices=..., num_nodes=...) to match the launched processes."
-                )
-        else:
-            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-            kwargs: dict[str, Any] = {"timeout": self._startup_timeout}  # the rendezvous; collectives below
-            if self.root_device.type == "cuda":
-                kwargs["device_id"] = self.root_device
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
-            C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
-        topology = resolve_topology(self.topology_spec, self.num_processes)
-        self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
-                                   self.stage, self._timeout)
-        shard = self._groups.axes["shard"] if self._groups.axes else None
-        warning = check_job_placement(topology, self.num_processes, self.stage, shard, self.strict_placement)
-        self.placement_warning = warning
+        self._connect()
 
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -182,20 +134,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             policy, reason = self._resolve_accumulation(trainer)
             self.accumulation_policy, self.accumulation_reason = policy, reason
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
-            self.engine = ShardEngine(self.model, self.optimizers, stage=self.stage, bucket_mb=self.bucket_mb,
-                                      reduce_dtype=self.reduce_dtype, accumulation=policy, overlap=self.overlap,
-                                      broadcast_buffers=self.broadcast_buffers,
-                                      allow_custom_optimizer=self.allow_custom_optimizer,
-                                      find_unused_parameters=self.find_unused_parameters,
-                                      units=self._unit_config(), deferred=self._deferred_init(),
-                                      group=self._groups.shard, replicate_group=self._groups.replicate,
-                                      optim_chunk_mb=self.optim_chunk_mb, skip_nonfinite=self.skip_nonfinite,
-                                      debug_collectives=self.debug_collectives,
-                                      overlap_param_gather=self.overlap_param_gather,
-                                      gather_group=self._groups.gather, param_dtype=self._param_dtype(),
-                                      offload_optimizer=self.offload_optimizer,
-                                      offload_params=getattr(self, "offload_params", False),
-                                      reduce_scatter_via=self.reduce_scatter_via)
+            self.engine = self._new_engine(self.model, self.optimizers, policy, self._deferred_init(),
+                                           self._param_dtype())
             if self.engine.plan_summary:
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
             if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout
@@ -238,9 +178,6 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         (rank_zero_info if self._checkpointing.modules else rank_zero_warn)(
             f"lightning_shard {type(self).strategy_name}: {self._checkpointing.describe()}")
 
-    def _unit_config(self) -> Any:
-        return None  # stage 3 strategies return a UnitConfig
-
     def _place_model(self, fitting: bool) -> None:
         self.model_to_device()
 
@@ -248,20 +185,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return None  # stage 3 strategies return a DeferredInit for models built on the meta device
 
     def _resolve_accumulation(self, trainer: Any) -> tuple[str, str]:
-        """``accumulation="auto"``: the planner's rule (memory budget first, then link speed)."""
-        if self.accumulation != "auto":
-            return self.accumulation, "set explicitly"
-        from ..planner import auto_policy
-
-        acc = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else None
-        ring = None
-        if self.topology_spec is not None:
-            topology = resolve_topology(self.topology_spec, self.num_processes)
-            if topology.devices_per_node >= self.num_processes > 1:  # the ring this job's ranks form
-                ring = topology.ring(list(range(self.num_processes)))[0]
-        return auto_policy(self.stage, acc, grad_bytes, free, ring)
+        """``accumulation="auto"``: the planner's rule for the Trainer's ``accumulate_grad_batches``."""
+        return self._accumulation(self.model, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
 
     def model_to_device(self) -> None:
         assert self.model is not None

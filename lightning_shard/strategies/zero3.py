@@ -15,7 +15,6 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
-from ..core.config import UnitConfig
 from ..core.deferred import DeferredInit, has_meta_tensors
 from .config import FSDPConfig, Zero3Config
 from .knobs import describe, takes_knobs_of
@@ -84,15 +83,6 @@ class Zero3Strategy(ZeroStrategy):
             torch.random.set_rng_state(self._init_rng)
         deferred, self._deferred = self._deferred, None
         return deferred
-
-    def _unit_config(self) -> UnitConfig:
-        cfg = UnitConfig(self.granularity, reshard_after_forward=self.reshard_after_forward,
-                         prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules)
-        if self.granularity == "fsdp":  # the wrap policy (FSDPConfig's knobs)
-            wrap = self.wrap_classes
-            cfg.wrap_classes = list(wrap) if isinstance(wrap, (list, tuple)) else wrap
-            cfg.min_params = self.min_params
-        return cfg
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
