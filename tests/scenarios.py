@@ -119,7 +119,9 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
              data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
              strategy_kwargs: Optional[dict] = None, model: str = "zoo", record_events: bool = False,
              delay_gather_s: float = 0.0, num_nodes: int = 1, activation_checkpointing: bool = False,
-             clip_algorithm: str = "norm") -> dict[str, Any]:
+             clip_algorithm: str = "norm", first_step: int = 0) -> dict[str, Any]:
+    """``first_step``: the loader starts at this optimizer step's micro-batches (resuming from a checkpoint
+    that carries no loop state, e.g. one written by Fabric)."""
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
     module = make_module(model, optimizer=optimizer, bn=bn, manual=manual, acc=acc, unused=unused,
@@ -138,7 +140,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
                         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm, precision=precision,
                         callbacks=callbacks)
     data = dataset(data_steps or steps, acc, world, model)
-    loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
+    loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank, first_step))
     with slow_all_gather(delay_gather_s):
         trainer.fit(module, loader, ckpt_path=resume_from)
     if save_to:

@@ -150,18 +150,18 @@ def dataset(steps: int, acc: int, world: int, model: str = "zoo") -> TensorDatas
 class RankMicroBatches(Sampler):
     """Rank ``rank`` gets global micro-batches ``step*acc*world + k*world + rank`` (see module docstring)."""
 
-    def __init__(self, n: int, acc: int, world: int, rank: int) -> None:
-        self.n, self.acc, self.world, self.rank = n, acc, world, rank
+    def __init__(self, n: int, acc: int, world: int, rank: int, first_step: int = 0) -> None:
+        self.n, self.acc, self.world, self.rank, self.first_step = n, acc, world, rank, first_step
 
     def __iter__(self):
         per_step = self.acc * self.world
-        for step in range(self.n // (MICRO * per_step)):
+        for step in range(self.first_step, self.n // (MICRO * per_step)):
             for k in range(self.acc):
                 j = step * per_step + k * self.world + self.rank
                 yield list(range(j * MICRO, (j + 1) * MICRO))
 
     def __len__(self) -> int:
-        return self.n // (MICRO * self.acc * self.world) * self.acc
+        return (self.n // (MICRO * self.acc * self.world) - self.first_step) * self.acc
 
 
 def reference_fit(steps: int, acc: int, world: int, optimizer: str = "sgd", clip: Optional[float] = None,

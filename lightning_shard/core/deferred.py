@@ -46,9 +46,16 @@ class DeferredInit:
                 m._parameters[name] = new  # the same placeholder everywhere: ties survive
                 self.referrers.setdefault(id(new), []).append(m)
         self.pending = {id(p) for p in replaced.values()}
+        self.replaced = replaced  # id(meta parameter) -> its placeholder (optimizers made before: see remap)
         # accounting: bytes of full (unsharded) parameter storage alive at once during materialization
         self.live: dict[int, int] = {}
         self.peak_live_bytes = 0
+
+    def remap(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Optimizers created over the meta parameters (Fabric: before set-up) take the placeholders instead."""
+        for opt in optimizers:
+            for g in opt.param_groups:
+                g["params"] = [self.replaced.get(id(p), p) for p in g["params"]]
 
     def is_deferred(self, p: nn.Parameter) -> bool:
         return id(p) in self.shapes

@@ -201,7 +201,8 @@ class ShardEngine:
                     f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
                     "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
                     "backward, or wrap earlier micro-batches in "
-                    "strategy.block_backward_sync()/toggle_model(sync_grad=False)."
+                    "strategy.block_backward_sync()/toggle_model(sync_grad=False) (Fabric: "
+                    "fabric.no_backward_sync(model, enabled=True))."
                 )
             if self.spec.shards_params:  # parameters are sharded now: views attach when the unit is gathered
                 b.pending = len(b.params)
@@ -302,9 +303,11 @@ class ShardEngine:
         return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.group,
                                self.spec.reduce_scatters and self.world > 1, norm_type)
 
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
-        total = self.grad_norm(optimizer, norm_type)
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
+                        total: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Scale the shard gradients to a global norm of at most ``max_norm``; ``total``: the norm when the caller
+        already has it from :meth:`grad_norm` (saves its all-reduce)."""
+        total = self.grad_norm(optimizer, norm_type) if total is None else total
         self.last_grad_norm = float(total)
         grads.scale_to_norm(self._shard_grads(optimizer), total, max_norm)
         return total

@@ -1,9 +1,20 @@
-"""Lightning adapters over the sharding core. Importing this package registers the strategy names."""
+"""Lightning adapters over the sharding core (Trainer and Fabric). Importing this package registers the strategy
+names in both registries."""
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .auto import AutoStrategy
 from .checkpointing import ShardedCheckpointIO
+from .fabric import (
+    FABRIC_CLASSES,
+    FSDPShardFabricStrategy,
+    Zero0FabricStrategy,
+    Zero1FabricStrategy,
+    Zero2FabricStrategy,
+    Zero3FabricStrategy,
+    ZeroFabricStrategy,
+)
 from .precision import ShardedPrecision
 from .zero import Zero0Strategy, Zero1Strategy, Zero2Strategy, ZeroStrategy
 from .zero3 import FSDPShardStrategy, Zero3Strategy
@@ -28,6 +39,25 @@ REGISTERED = {
 for _name, (_cls, _what, _params) in REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=f"lightning_shard {_what}", **_params)
+    _fabric_cls = FABRIC_CLASSES.get(_name.replace("_hybrid", ""))  # Fabric: the same names, same knobs
+    if _fabric_cls is not None and _name not in FABRIC_STRATEGY_REGISTRY:
+        FABRIC_STRATEGY_REGISTRY.register(_name, _fabric_cls, description=f"lightning_shard {_what} (Fabric)",
+                                          **_params)
 
-__all__ = ["AutoStrategy", "FSDPShardStrategy", "ShardedCheckpointIO", "ShardedPrecision", "Zero0Strategy",
-           "Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "ZeroStrategy"]
+__all__ = [
+    "AutoStrategy",
+    "FSDPShardFabricStrategy",
+    "FSDPShardStrategy",
+    "ShardedCheckpointIO",
+    "ShardedPrecision",
+    "Zero0FabricStrategy",
+    "Zero0Strategy",
+    "Zero1FabricStrategy",
+    "Zero1Strategy",
+    "Zero2FabricStrategy",
+    "Zero2Strategy",
+    "Zero3FabricStrategy",
+    "Zero3Strategy",
+    "ZeroFabricStrategy",
+    "ZeroStrategy",
+]

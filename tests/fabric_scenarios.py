@@ -1,0 +1,163 @@
+"""Worker-side Fabric scenarios (run inside :class:`tests.harness.World` ranks): a plain Fabric loop with
+accumulation, as litgpt's scripts write it, on the models and data of tests/zoo.py."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_shard.core import collectives as C
+from tests.zoo import VOCAB, RankMicroBatches, TinyLMModule, dataset
+
+
+class TorchLM(nn.Module):
+    """A model built only from torch's own modules (nn.TransformerEncoderLayer: MultiheadAttention inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(tokens)))
+
+
+def _loss(model: Any, tokens: torch.Tensor, i: int = 0) -> torch.Tensor:
+    if isinstance(getattr(model, "module", model), L.LightningModule):  # Fabric redirects it through forward
+        return model.training_step((tokens,), i)
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _optimizer(module: nn.Module, name: str) -> torch.optim.Optimizer:
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}]
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=0.01, eps=1e-6)
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+
+def _model(model: str) -> nn.Module:
+    """``tiny_lm``: a LightningModule (its training_step in the loop); ``gpt``: the same GPT as a plain module;
+    ``torch_lm``: torch's own layers; ``stack``: layers whose ``reset_parameters`` is their whole init (deferred
+    init draws the same values as a full one)."""
+    if model == "torch_lm":
+        return TorchLM()
+    if model == "stack":
+        return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, VOCAB))
+    module = TinyLMModule()
+    return module if model == "tiny_lm" else module.model
+
+
+def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "adam",
+              clip: Optional[float] = None, bf16_autocast: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, plain torch: the same global batch per optimizer step (every rank's micro-batches);
+    ``bf16_autocast``: forward and loss under CPU bf16 autocast, as Fabric's ``"bf16-mixed"``."""
+    from contextlib import nullcontext
+
+    L.seed_everything(0, verbose=False)
+    net = _model(model)
+    opt = _optimizer(net, optimizer)
+    data = dataset(steps, acc, world, "tiny_lm")
+    loader = DataLoader(data, batch_size=4, shuffle=False)
+    n, norms = acc * world, []
+    for i, (tokens,) in enumerate(loader):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else nullcontext():
+            loss = _loss(net, tokens, i)
+        (loss / n).backward()
+        if (i + 1) % n == 0:
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, norms
+
+
+def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", optimizer: str = "adam",
+               clip: Optional[float] = None, precision: str = "32-true", knobs: Optional[dict] = None,
+               save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
+               first_step: int = 0, empty_init: bool = False, separate_setup: bool = False) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with ``acc`` micro-batches each in a Fabric loop; ``save_to`` after
+    ``save_step`` steps (``fabric.save``), ``load_from`` before the first (``fabric.load``). Returns the weights as
+    a user saves them (``model.state_dict()``), the ledger's (op, tag) per micro-batch and what load returned."""
+    world, rank = C.get_world_size(), C.get_rank()
+    if knobs:  # a strategy name with knobs: the class registered under that name, with the knobs
+        from lightning_shard.strategies import FABRIC_CLASSES
+
+        strategy = FABRIC_CLASSES[strategy](**knobs)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
+    fabric.launch()
+    L.seed_everything(0, verbose=False)
+    with fabric.init_module(empty_init=empty_init):
+        net = _model(model)
+    opt = _optimizer(net, optimizer)
+    if separate_setup:
+        net = fabric.setup_module(net)
+        opt = fabric.setup_optimizers(opt)
+    else:
+        net, opt = fabric.setup(net, opt)
+    initial = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    loaded = None
+    if load_from:
+        loaded = fabric.load(load_from, {"model": net, "optimizer": opt})
+    data = dataset(first_step + steps, acc, world, "tiny_lm")
+    loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank, first_step))
+    per_batch: list[list[tuple[str, str]]] = []
+    norms: list[float] = []
+    for i, (tokens,) in enumerate(loader):
+        mark = C.LEDGER.mark()
+        boundary = (i + 1) % acc == 0
+        with fabric.no_backward_sync(net, enabled=not boundary):
+            fabric.backward(_loss(net, tokens, i) / acc)
+        if boundary:
+            if clip is not None:
+                norms.append(float(fabric.clip_gradients(net, opt, max_norm=clip)))
+            opt.step()
+            opt.zero_grad()
+        per_batch.append([(e.op, e.tag, e.wire_bytes) for e in C.LEDGER.since(mark)])
+        if save_to and boundary and (i + 1) // acc == save_step:
+            fabric.save(save_to, {"model": net, "optimizer": opt, "step": save_step})
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    strategy_obj = fabric.strategy
+    out = {"state": state, "initial": initial, "per_batch": per_batch, "norms": norms, "loaded": loaded,
+           "policy": getattr(strategy_obj, "accumulation_policy", None), "class": type(strategy_obj).__name__,
+           "param_dtype": str(next(net.parameters()).dtype)}
+    strategy_obj.teardown()
+    return out
+
+
+def two_setups() -> None:
+    """setup_optimizers twice: the second is refused (the engine is built for the optimizers it was given)."""
+    fabric = Fabric(accelerator="cpu", devices=C.get_world_size(), strategy="zero2")
+    fabric.launch()
+    net = fabric.setup_module(_model("gpt"))
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    rest = [p for p in net.parameters() if p.dim() < 2]
+    fabric.setup_optimizers(torch.optim.SGD(decay, lr=0.1))
+    try:
+        fabric.setup_optimizers(torch.optim.SGD(rest, lr=0.1))
+    finally:
+        fabric.strategy.teardown()
+
+
+def double_backward() -> None:
+    """Two micro-batches without no_backward_sync before one step: the second backward is refused (its gradients
+    would be summed into buckets already reduced), with the fix in the message."""
+    fabric = Fabric(accelerator="cpu", devices=C.get_world_size(), strategy="zero2")
+    fabric.launch()
+    net = _model("gpt")
+    net, opt = fabric.setup(net, _optimizer(net, "sgd"))
+    tokens = dataset(1, 2, C.get_world_size(), "tiny_lm").tensors[0][:4]
+    try:
+        for _ in range(2):
+            fabric.backward(_loss(net, tokens))
+    finally:
+        fabric.strategy.teardown()

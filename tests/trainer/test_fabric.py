@@ -1,0 +1,189 @@
+"""Lightning Fabric: every strategy under a plain Fabric loop with accumulation (``fabric.no_backward_sync``),
+against one process; the same collectives per micro-batch as under the Trainer; the true global norm from
+``fabric.clip_gradients``; checkpoints that move between Fabric and the Trainer in both directions; deferred init
+with ``fabric.init_module(empty_init=True)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import fabric_scenarios as fs
+from tests import scenarios as sc
+from tests.zoo import max_diff
+
+WORLD, STEPS, ACC = 2, 3, 2
+NAMES = ["zero0", "zero1", "zero2", "zero3", "fsdp_shard"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world(worlds):
+    return worlds(WORLD)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    cache: dict = {}
+
+    def get(model: str, steps: int = STEPS, clip=None, optimizer: str = "adam", bf16_autocast: bool = False):
+        key = (model, steps, clip, optimizer, bf16_autocast)
+        if key not in cache:
+            cache[key] = fs.reference(model, steps, ACC, WORLD, clip=clip, optimizer=optimizer,
+                                      bf16_autocast=bf16_autocast)
+        return cache[key]
+
+    return get
+
+
+def test_names_registered_in_fabric():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    import lightning_shard  # noqa: F401 - registers the names
+    from lightning_shard.strategies import FSDPShardFabricStrategy, Zero2FabricStrategy, Zero3FabricStrategy
+
+    assert isinstance(STRATEGY_REGISTRY.get("zero2"), Zero2FabricStrategy)
+    assert STRATEGY_REGISTRY.get("zero3").stage == 3
+    assert STRATEGY_REGISTRY.get("fsdp_shard").wrap_classes == "auto"
+    hybrid = STRATEGY_REGISTRY.get("zero3_hybrid")
+    assert isinstance(hybrid, Zero3FabricStrategy) and hybrid.shard_size == "auto"
+    assert isinstance(FSDPShardFabricStrategy(), Zero3FabricStrategy)
+    with pytest.raises(TypeError, match=r"unknown knob\(s\) 'bucket_mbb' \(did you mean 'bucket_mb'\?\)"):
+        Zero2FabricStrategy(bucket_mbb=3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parity_with_one_process(world, ref, name):
+    """Default knobs, a LightningModule's training_step in the loop, 2 ranks x 2 micro-batches, Adam: the weights
+    a user saves (model.state_dict()) equal one process's on the same global batch."""
+    expected, _ = ref("tiny_lm")
+    outs = world.run(fs.fabric_fit, name, ACC, STEPS)
+    assert outs[0]["class"].endswith("FabricStrategy")
+    for out in outs:
+        assert max_diff(out["state"], expected) < TOL
+    assert max_diff(outs[0]["initial"], outs[1]["initial"]) == 0.0
+
+
+@pytest.mark.parametrize("name,model", [("zero3", "torch_lm"), ("fsdp_shard", "torch_lm"), ("zero2", "gpt")])
+def test_parity_on_plain_modules(world, ref, name, model):
+    """Models that are not LightningModules: torch's own TransformerEncoderLayer (MultiheadAttention), the GPT.
+    SGD with momentum: the update is linear in the gradient, so only summation order differs (Adam's division by
+    sqrt(v) + 1e-6 magnifies that to ~2e-5 on this model)."""
+    expected, _ = ref(model, optimizer="sgd")
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, model=model, optimizer="sgd")[0]
+    assert max_diff(out["state"], expected) < 1e-6
+
+
+BLOCKS = {"wrap_classes": ["Block"]}
+
+
+@pytest.mark.parametrize("name,stage,kw,clip", [("zero1", 1, {}, None), ("zero2", 2, {}, None), ("zero3", 3, {}, None),
+                                               ("fsdp_shard", 3, BLOCKS, None), ("zero2", 2, {}, 0.05),
+                                               ("zero3", 3, {}, 0.05)])
+def test_same_collectives_per_micro_batch_as_the_trainer(world, name, stage, kw, clip):
+    """Accumulation-aware sync: the non-boundary micro-batch (inside no_backward_sync) and the boundary one issue
+    exactly the Trainer's collectives, with the same bytes, under the same default policy; with clipping too
+    (fabric.clip_gradients before optimizer.step: one norm all-reduce, one used-mask exchange, as the Trainer)."""
+    knobs = {"bucket_mb": sc.SMALL_BUCKETS, **kw}
+    fab = world.run(fs.fabric_fit, name, ACC, STEPS, knobs=knobs, clip=clip)[0]
+    trainer = world.run(sc.fit_zero, stage, "auto", ACC, STEPS, optimizer="adam", model="tiny_lm",
+                        bucket_mb=sc.SMALL_BUCKETS, strategy_kwargs=kw, clip=clip)[0]
+    assert fab["policy"] == trainer["policy"]
+    assert len(fab["per_batch"]) == len(trainer["per_batch"]) == STEPS * ACC
+    for k, (a, b) in enumerate(zip(fab["per_batch"], trainer["per_batch"])):
+        assert sorted(a) == sorted(b), f"micro-batch {k}"
+    assert not any(tag.startswith("grad_bucket") for _, tag, _ in fab["per_batch"][0])  # deferred: nothing moves
+    if clip:  # one norm all-reduce per optimizer step, not two (clip_gradients and the step share one check)
+        assert [tag for _, tag, _ in fab["per_batch"][1]].count("grad_norm") == 1
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_clip_gradients_is_the_global_norm(world, ref, name):
+    expected, norms = ref("tiny_lm", clip=0.05)
+    assert min(norms) > 0.05  # the clip is active on every step
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, clip=0.05)[0]
+    assert out["norms"] == pytest.approx(norms, rel=1e-5)
+    assert max_diff(out["state"], expected) < TOL
+
+
+def test_setup_module_then_setup_optimizers(world, ref):
+    expected, _ = ref("tiny_lm")
+    out = world.run(fs.fabric_fit, "zero3", ACC, STEPS, separate_setup=True)[0]
+    assert max_diff(out["state"], expected) < TOL
+
+
+def test_fabric_checkpoint_resumes_under_the_trainer(world, ref, tmp_path):
+    """fabric.save after 3 steps (zero2, sharded directory); a Trainer with zero3 loads it and trains 3 more:
+    equal to 6 uninterrupted steps in one process."""
+    expected, _ = ref("tiny_lm", steps=2 * STEPS)
+    ckpt = str(tmp_path / "fabric.ckpt")
+    world.run(fs.fabric_fit, "zero2", ACC, STEPS, save_to=ckpt, save_step=STEPS)
+    assert (tmp_path / "fabric.ckpt").is_dir()
+    out = world.run(sc.fit_zero, 3, "auto", ACC, STEPS, optimizer="adam", model="tiny_lm", resume_from=ckpt,
+                    data_steps=2 * STEPS, first_step=STEPS)[0]
+    assert max_diff(out["state"], expected) < TOL
+
+
+def test_trainer_checkpoint_resumes_under_fabric(world, ref, tmp_path):
+    """Trainer zero1 saves after 3 steps; Fabric fsdp_shard loads model and optimizer and trains 3 more."""
+    expected, _ = ref("tiny_lm", steps=2 * STEPS)
+    ckpt = str(tmp_path / "trainer.ckpt")
+    world.run(sc.fit_zero, 1, "auto", ACC, STEPS, optimizer="adam", model="tiny_lm", save_to=ckpt)
+    outs = world.run(fs.fabric_fit, "fsdp_shard", ACC, STEPS, load_from=ckpt, first_step=STEPS)
+    assert outs[0]["loaded"]["global_step"] == STEPS  # what the checkpoint held beyond model and optimizer
+    for out in outs:
+        assert max_diff(out["state"], expected) < TOL
+
+
+def test_fabric_round_trip_between_strategies(world, ref, tmp_path):
+    """Fabric zero3 saves; Fabric zero1 resumes: the same result as one uninterrupted process."""
+    expected, _ = ref("tiny_lm", steps=2 * STEPS)
+    ckpt = str(tmp_path / "f3.ckpt")
+    world.run(fs.fabric_fit, "zero3", ACC, STEPS, save_to=ckpt, save_step=STEPS)
+    out = world.run(fs.fabric_fit, "zero1", ACC, STEPS, load_from=ckpt, first_step=STEPS)[0]
+    assert out["loaded"]["step"] == STEPS
+    assert max_diff(out["state"], expected) < TOL
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_shard"])
+def test_empty_init_materializes_shard_by_shard(world, ref, name):
+    """fabric.init_module(empty_init=True) at stage 3: created on the meta device, materialized at set-up with the
+    values a full init draws; training then matches one process."""
+    expected, _ = ref("stack")
+    outs = world.run(fs.fabric_fit, name, ACC, STEPS, model="stack", empty_init=True)
+    for out in outs:
+        assert max_diff(out["state"], expected) < TOL
+    plain = world.run(fs.fabric_fit, name, ACC, 0, model="stack")[0]
+    assert max_diff(outs[0]["initial"], plain["initial"]) == 0.0
+
+
+def test_bf16_mixed_is_autocast(world, ref):
+    """Fabric's bf16-mixed plugin computes under autocast through our module wrapper: equal to a one-process bf16
+    autocast run, not to the fp32 one (a path that dropped autocast would match fp32 instead)."""
+    expected, _ = ref("tiny_lm", bf16_autocast=True)
+    fp32, _ = ref("tiny_lm")
+    out = world.run(fs.fabric_fit, "zero2", ACC, STEPS, precision="bf16-mixed")[0]
+    assert max_diff(out["state"], expected) < 1e-4
+    assert max_diff(expected, fp32) > 1e-3
+
+
+@pytest.mark.parametrize("precision,clip", [("bf16-true", None), ("16-mixed", 0.05)])
+def test_half_precision_runs_and_stays_close(world, ref, precision, clip):
+    """bf16-true (bf16 parameters, fp32 masters: model.state_dict() shows the masters) and fp16 autocast with our
+    agreed loss scaler and clipping on unscaled gradients: train, stay within half precision's rounding of fp32."""
+    expected, _ = ref("tiny_lm", clip=clip)
+    out = world.run(fs.fabric_fit, "zero3", ACC, STEPS, precision=precision, clip=clip)[0]
+    assert all(v.dtype == torch.float32 for k, v in out["state"].items())
+    assert all(torch.isfinite(v).all() for v in out["state"].values())
+    assert max_diff(out["state"], expected) < 0.05
+
+
+def test_second_optimizer_setup_is_refused_with_advice(world):
+    with pytest.raises(RuntimeError, match=r"set up all optimizers together: fabric.setup\(model, opt1, opt2\)"):
+        world.run(fs.two_setups)
+
+
+def test_accumulating_without_no_backward_sync_is_refused(world):
+    with pytest.raises(RuntimeError, match=r"backward ran again after the gradients of bucket .* were reduced.*"
+                                           r"fabric.no_backward_sync\(model, enabled=True\)"):
+        world.run(fs.double_backward)
