@@ -4,11 +4,15 @@
     lightning-shard consolidate CKPT model.pt --strip-prefix model.                # keys of the inner nn.Module
     lightning-shard consolidate CKPT model.safetensors --safetensors               # needs `safetensors`
     lightning-shard consolidate CKPT full.ckpt --lightning                         # a Lightning checkpoint file
+    lightning-shard consolidate CKPT hf_out --hf                                   # save_pretrained, LoRA merged
+    lightning-shard consolidate CKPT adapter_out --hf-adapter                      # peft adapter folder
 
 The weights file is a plain ``{name: tensor}`` state dict that ``model.load_state_dict`` accepts, with fp32
 master weights where the run kept them (``--no-master`` for the training dtype). ``--lightning`` writes a
 whole Lightning checkpoint (weights, optimizer state in torch's format, loops, callbacks, hparams) that any
-Trainer resumes from with ``ckpt_path=``.
+Trainer resumes from with ``ckpt_path=``. ``--hf`` / ``--hf-adapter`` (a run of the ``hf_causal_lm`` recipe, which
+needs ``transformers`` and ``peft``): a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads,
+adapters merged, or peft's adapter folder for ``PeftModel.from_pretrained(base, OUT)`` (``recipes/hf_export.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ def register(sub: Any) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--safetensors", action="store_true", help="write safetensors instead of torch.save")
     fmt.add_argument("--lightning", action="store_true", help="write a full Lightning checkpoint")
+    fmt.add_argument("--hf", action="store_true",
+                     help="hf_causal_lm recipe: a save_pretrained folder, LoRA adapters merged")
+    fmt.add_argument("--hf-adapter", action="store_true",
+                     help="hf_causal_lm recipe with LoRA: peft's adapter folder (the base in OUT/base when the run "
+                          "started from a random-init config)")
     p.set_defaults(func=run)
 
 
@@ -38,6 +47,14 @@ def run(args: argparse.Namespace) -> int:
     from lightning_shard.core.consolidate import lightning_checkpoint, model_state
 
     reader = Reader(args.ckpt)
+    if args.hf or args.hf_adapter:
+        from recipes.hf_export import save_hf
+
+        hparams = dict(reader.trainer_state().get("hyper_parameters") or {})
+        out = save_hf(model_state(reader, prefer_master=not args.no_master), hparams, args.out,
+                      adapter=args.hf_adapter)
+        print(f"wrote Hugging Face {'adapter ' if args.hf_adapter else ''}folder {out}")
+        return 0
     if args.lightning:
         torch.save(lightning_checkpoint(reader, prefer_master=not args.no_master), args.out)
         print(f"wrote Lightning checkpoint {args.out}")

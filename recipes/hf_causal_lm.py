@@ -3,7 +3,10 @@
 ``HFCausalLM(name_or_path=...)`` loads a local directory or a hub id with ``AutoModelForCausalLM``;
 ``HFCausalLM(config={"model_type": "llama", ...})`` builds a random-init model from a config dict when no
 ``name_or_path`` is given (offline; used by the tests). ``lora={"r": 8, "alpha": 16, "targets": "auto"}`` freezes the
-base and trains only the adapters (``recipes/lora.py``); ``lora=None`` trains every parameter.
+base and trains only LoRA adapters made by peft (``LoraConfig`` + ``get_peft_model``; further keys of ``lora`` are
+``LoraConfig``'s own, e.g. ``bias``); ``lora=None`` trains every parameter. ``lightning-shard consolidate CKPT OUT
+--hf`` turns a checkpoint of this recipe into a ``save_pretrained`` folder (adapters merged, or ``--hf-adapter``: peft's
+adapter folder); see :mod:`recipes.hf_export`.
 
 Data: the standard library's sources (``recipes/corpus.py``), tokenized by the model's tokenizer
 (``HFTextDataModule(tokenizer=<name_or_path>)``) or read as bytes when ``tokenizer`` is None (then the model's
@@ -22,7 +25,6 @@ from torchmetrics import MeanMetric
 from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
 from recipes.gpt import warmup_cosine
 from recipes.lm_steps import CausalLMSteps
-from recipes.lora import apply_lora
 
 
 def _transformers():
@@ -31,6 +33,35 @@ def _transformers():
     except ImportError as err:
         raise ImportError("the hf_causal_lm recipe needs transformers: pip install 'lightning-shard[hf]'") from err
     return transformers
+
+
+# what targets="auto" adapts: the attention projections of the common families (Llama/Mistral q_proj and v_proj,
+# GPT-2's fused c_attn, GPT-NeoX/Falcon's query_key_value, MPT's Wqkv)
+AUTO_TARGETS = ("q_proj", "v_proj", "c_attn", "query_key_value", "Wqkv")
+
+
+def apply_peft_lora(model: torch.nn.Module, targets: Any = "auto", r: int = 8, alpha: float = 16.0,
+                    dropout: float = 0.0, **options: Any) -> tuple[torch.nn.Module, list[str]]:
+    """``model`` wrapped by peft's LoRA (base frozen, adapters trainable) and the names of the adapted modules.
+    ``targets="auto"``: those of :data:`AUTO_TARGETS` the model has (q_proj/v_proj, GPT-2's c_attn...)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("LoRA in the hf_causal_lm recipe needs peft: pip install 'lightning-shard[hf]'") from err
+    linear = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    chosen = [t for t in AUTO_TARGETS if t in linear] if targets == "auto" else list(targets)
+    if not chosen or not any(t in linear for t in chosen):
+        raise ValueError(f"LoRA targets {list(AUTO_TARGETS) if targets == 'auto' else chosen} match no module; linear "
+                         f"layers here are named {sorted(linear)}: set recipe.model.lora.targets to some of them")
+    conv1d = any(linear.get(t) == "Conv1D" for t in chosen)  # GPT-2 stores (in, out): peft must know
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen, fan_in_fan_out=conv1d,
+                     **options)
+    wrapped = get_peft_model(model, cfg)
+    from peft.tuners.lora import LoraLayer
+
+    names = [n for n, m in wrapped.named_modules() if isinstance(m, LoraLayer)]
+    return wrapped, names
 
 
 def build_causal_lm(name_or_path: Optional[str], config: Optional[Mapping[str, Any]], dtype: Optional[str] = None,
@@ -64,8 +95,7 @@ class HFCausalLM(CausalLMSteps, pl.LightningModule):
         self.model = build_causal_lm(name_or_path, config, dtype, trust_remote_code)
         self.lora_modules: list[str] = []
         if lora:
-            lora = dict(lora)
-            self.lora_modules = apply_lora(self.model, targets=lora.pop("targets", "auto"), **lora)
+            self.model, self.lora_modules = apply_peft_lora(self.model, **dict(lora))
         self.val_loss_mean = MeanMetric()
         self.tokens_seen = 0
         self.last_train_loss: Optional[torch.Tensor] = None

@@ -163,20 +163,23 @@ def test_synthetic_tokens_are_fixed_and_deterministic():
     assert not torch.equal(ds[4][0], ds[5][0])
 
 
-def test_lora_starts_at_the_base_model_and_trains_only_adapters():
-    from recipes.lora import LoRALinear, apply_lora
+def test_peft_lora_starts_at_the_base_model_and_trains_only_adapters():
+    pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from recipes.hf_causal_lm import apply_peft_lora
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    x = torch.randn(3, 8)
-    before = model(x)
-    names = apply_lora(model, targets=["0", "2"], r=2, alpha=4)
-    assert names == ["0", "2"] and isinstance(model[0], LoRALinear)
-    assert torch.allclose(model(x), before)  # B = 0: the adapted model is the base model
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {"0.lora_a", "0.lora_b", "2.lora_a", "2.lora_b"}
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()
+    x = torch.randint(0, 64, (2, 8))
+    before = model(x).logits
+    wrapped, names = apply_peft_lora(model, targets="auto", r=2, alpha=4)
+    assert names == ["base_model.model.transformer.h.0.attn.c_attn", "base_model.model.transformer.h.1.attn.c_attn"]
+    assert torch.allclose(wrapped(x).logits, before)  # B = 0: the adapted model is the base model
+    trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     with pytest.raises(ValueError, match="match no module"):
-        apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), targets=["q_proj"])
+        apply_peft_lora(GPT2LMHeadModel(GPT2Config(vocab_size=8, n_embd=8, n_layer=1, n_head=1)), targets=["q_proj"])
 
 
 def test_digits_split_is_stratified_and_deterministic():
@@ -212,5 +215,5 @@ def test_hf_tiny_llama_lora_fit_lowers_the_loss():
     trainer.fit(module, datamodule=dm)
     params = dict(module.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in frozen.items())  # the base never moves
-    assert all(not torch.equal(params[n], v) for n, v in adapters.items() if n.endswith("lora_b"))
+    assert all(not torch.equal(params[n], v) for n, v in adapters.items() if ".lora_B." in n)
     assert comm.step_losses[-1] < comm.step_losses[0]
