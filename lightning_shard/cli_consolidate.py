@@ -25,7 +25,8 @@ from typing import Any
 def register(sub: Any) -> None:
     p = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one plain file",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt", help="sharded checkpoint directory (contains meta.json)")
+    p.add_argument("ckpt", help="sharded checkpoint directory (meta.json) or torch.distributed.checkpoint one "
+                                "(.metadata)")
     p.add_argument("out", help="output file")
     p.add_argument("--strip-prefix", default="", help="remove this prefix from every key, e.g. 'model.'")
     p.add_argument("--no-master", action="store_true", help="weights in the training dtype, not fp32 masters")
@@ -43,10 +44,10 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_shard.core.checkpoint import Reader
     from lightning_shard.core.consolidate import lightning_checkpoint, model_state
+    from lightning_shard.strategies.checkpointing import open_reader
 
-    reader = Reader(args.ckpt)
+    reader = open_reader(args.ckpt)
     if args.hf or args.hf_adapter:
         from recipes.hf_export import save_hf
 

@@ -58,18 +58,21 @@ def _model(model: str) -> nn.Module:
 
 
 def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "adam",
-              clip: Optional[float] = None, bf16_autocast: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+              clip: Optional[float] = None, bf16_autocast: bool = False,
+              epoch_steps: Optional[int] = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, plain torch: the same global batch per optimizer step (every rank's micro-batches);
-    ``bf16_autocast``: forward and loss under CPU bf16 autocast, as Fabric's ``"bf16-mixed"``."""
+    ``bf16_autocast``: forward and loss under CPU bf16 autocast, as Fabric's ``"bf16-mixed"``; ``epoch_steps``: the
+    data holds that many steps and is run again each epoch (as a Trainer with a longer ``max_steps`` does)."""
     from contextlib import nullcontext
 
     L.seed_everything(0, verbose=False)
     net = _model(model)
     opt = _optimizer(net, optimizer)
-    data = dataset(steps, acc, world, "tiny_lm")
+    data = dataset(epoch_steps or steps, acc, world, "tiny_lm")
     loader = DataLoader(data, batch_size=4, shuffle=False)
     n, norms = acc * world, []
-    for i, (tokens,) in enumerate(loader):
+    batches = [b for _ in range(-(-steps // (epoch_steps or steps))) for b in loader][:steps * n]
+    for i, (tokens,) in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else nullcontext():
             loss = _loss(net, tokens, i)
         (loss / n).backward()

@@ -2,12 +2,15 @@
 
 ``state_dict_type="sharded"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a directory
 (see ``core/checkpoint.py``) in which each rank stores only its shards, committed atomically.
-``"full"``: one consolidated file written by rank 0, as Lightning's own strategies do.
+``"full"``: one consolidated file written by rank 0, as Lightning's own strategies do. ``"dcp"``: a
+``torch.distributed.checkpoint`` directory (``core/dcp.py``: each rank's ranges as chunks of the full tensors, keys
+as Lightning's ``ModelParallelStrategy`` writes them), which DCP's own tools and FSDP2 read.
 
-Loading accepts both, from any strategy and world size: a full file (also one written by Lightning's
-``DDPStrategy`` or a single device) or a sharded directory. A plain ``Trainer`` (single device, DDP) reads
-sharded directories through ``Trainer(plugins=[ShardedCheckpointIO()])`` or after
-``lightning-shard consolidate``.
+Loading accepts all three, from any strategy and world size: a full file (also one written by Lightning's
+``DDPStrategy`` or a single device), a sharded directory, or a DCP directory (also one written by Lightning's
+``ModelParallelStrategy`` / FSDP2; the ``model.`` keys of ``FSDPStrategy(state_dict_type="sharded")`` are read too,
+untested). A plain ``Trainer`` (single device, DDP) reads sharded directories through
+``Trainer(plugins=[ShardedCheckpointIO()])`` or after ``lightning-shard consolidate``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..core import collectives as C
+from ..core import dcp
 from ..core.checkpoint import (
     CheckpointError,
     Reader,
@@ -34,6 +38,7 @@ from ..core.checkpoint import (
 )
 from ..core.consolidate import lightning_checkpoint, model_state
 from ..core.engine_ckpt import collect_pieces
+from ..core.state_dict import param_aliases
 
 MODEL_KEYS = ("state_dict", "optimizer_states")
 
@@ -104,17 +109,58 @@ def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strateg
     C.barrier(tag="checkpoint")
 
 
+def save_dcp(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str, accumulate: int = 1) -> None:
+    """``state_dict_type="dcp"``: the pieces through ``torch.distributed.checkpoint`` into a new folder beside
+    ``filepath``, the rest of the checkpoint in its ``meta.pt`` (rank 0), then the folder swapped into place. A save
+    that dies midway leaves only the hidden ``.tmp-`` folder. Collective."""
+    final = Path(filepath)
+    suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None, tag="checkpoint")
+    tmp = final.parent / f".{final.name}.tmp-{suffix}"
+    if C.get_rank() == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    C.barrier(tag="checkpoint")
+    pieces, index, meta = collect_pieces(engine)
+    tensors, objects = dcp.from_pieces(pieces, index, meta, C.get_rank() == 0)
+    dcp.save(tmp, tensors, objects)  # collective; its .metadata is written last
+    if C.get_rank() == 0:
+        rest = plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS})
+        rest[dcp.OWN_META] = {"world_size": C.get_world_size(), "accumulate_grad_batches": accumulate,
+                              "strategy": strategy_name, "versions": {"torch": str(torch.__version__),
+                                                                      "lightning_shard": _version()}}
+        torch.save(rest, tmp / dcp.META_PT)
+        old = final.parent / f".{final.name}.old-{suffix}"
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    C.barrier(tag="checkpoint")
+
+
+def open_reader(path: Any, module: Any = None) -> Any:
+    """The reader of a checkpoint directory: ours (``meta.json``) or DCP's (``.metadata``); ``module`` names the
+    parameters and their tied aliases for a DCP directory."""
+    if dcp.is_dcp_checkpoint(path):
+        aliases = None
+        if module is not None:
+            aliases = {names[0]: names for names in param_aliases(module).values()}
+        return dcp.DCPReader(path, aliases)
+    return Reader(path)
+
+
 def _version() -> str:
     from .. import __version__
 
     return __version__
 
 
-def load_for_strategy(path: Any) -> tuple[dict[str, Any], Optional[Reader]]:
-    """(checkpoint dict, reader) for a sharded directory; (None, None) for a regular file."""
+def load_for_strategy(path: Any, module: Any = None) -> tuple[dict[str, Any], Optional[Reader]]:
+    """(checkpoint dict, reader) for a sharded or DCP directory; (None, None) for a regular file."""
     p = Path(path)
     if p.is_dir():
-        reader = Reader(p)  # raises CheckpointError for folders that are not complete checkpoints
+        reader = open_reader(p, module)  # raises CheckpointError for folders that are not complete checkpoints
         ckpt = reader.trainer_state()
         ckpt["state_dict"] = {}
         ckpt["optimizer_states"] = [{} for _ in reader.meta["optimizers"]]
@@ -175,8 +221,8 @@ class ShardedCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
         """Sharded directories and regular files, always with ``weights_only=True`` (the argument is ignored)."""
-        if is_sharded_checkpoint(path):
-            reader = Reader(path)
+        if is_sharded_checkpoint(path) or dcp.is_dcp_checkpoint(path):
+            reader = open_reader(path)
             ckpt = lightning_checkpoint(reader)
             if self.world_size and self.accumulate_grad_batches:
                 translate_loop_counters(ckpt, reader.meta, self.world_size, self.accumulate_grad_batches)
@@ -203,7 +249,7 @@ class CheckpointMixin:
     _reader: Optional[Reader]
 
     def _sharded(self) -> bool:
-        return self.state_dict_type == "sharded" and self.engine is not None and not self._released()
+        return self.state_dict_type in ("sharded", "dcp") and self.engine is not None and not self._released()
 
     def _released(self) -> bool:
         return self.engine is not None and self.engine.controller is not None and self.engine.controller.released
@@ -242,8 +288,9 @@ class CheckpointMixin:
                                       "as one file), or save during fit to keep the sharded format.")
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         trainer = getattr(self.lightning_module, "_trainer", None)
-        save_sharded(self.engine, checkpoint, filepath, type(self).strategy_name,
-                     getattr(trainer, "accumulate_grad_batches", 1))
+        save = save_dcp if self.state_dict_type == "dcp" else save_sharded
+        save(self.engine, checkpoint, filepath, type(self).strategy_name,
+             getattr(trainer, "accumulate_grad_batches", 1))
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if Path(filepath).is_dir():
@@ -257,7 +304,7 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self._ckpt_path = checkpoint_path
-        ckpt, self._reader = load_for_strategy(checkpoint_path)
+        ckpt, self._reader = load_for_strategy(checkpoint_path, self.lightning_module)
         if ckpt is not None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             translate_loop_counters(ckpt, self._reader.meta, self.world_size,
@@ -354,4 +401,4 @@ class CheckpointMixin:
 
 
 __all__ = ["CheckpointError", "CheckpointMixin", "ShardedCheckpointIO", "ShardedWeights", "load_for_strategy",
-           "save_sharded"]
+           "open_reader", "save_dcp", "save_sharded"]

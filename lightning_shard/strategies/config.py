@@ -107,8 +107,10 @@ class ZeroConfig:
     overlap_param_gather: bool = knob(True, """zero1/zero2 all-gather updated parameters in the background after the
         step; each module waits for its own bucket in its forward.""")
     state_dict_type: str = knob("sharded", """``"sharded"`` (each rank writes its shards into a checkpoint directory,
-        committed atomically) or ``"full"`` (rank 0 writes one consolidated file). Both load into any strategy.""",
-                                choices=("sharded", "full"))
+        committed atomically), ``"full"`` (rank 0 writes one consolidated file) or ``"dcp"`` (a
+        ``torch.distributed.checkpoint`` directory: DCP's tools, FSDP2 and Lightning's ModelParallelStrategy read it).
+        All load into any strategy, as do DCP directories written by FSDP2 / Lightning.""",
+                                choices=("sharded", "full", "dcp"))
     skip_nonfinite: Optional[bool] = knob(None, """fp32/bf16: ``None`` (no check), ``True`` (a non-fp16 step whose
         gradients hold inf/nan is skipped on every rank with a warning naming the parameter), ``False`` (raise with
         that name). One small all-reduce per step when set. fp16 always uses agreed loss scaling instead.""")

@@ -50,12 +50,13 @@ from ..core import collectives as C
 from ..core.checkpoint import CheckpointError, Reader, is_sharded_checkpoint, model_mismatch
 from ..core.config import parse_param_dtype
 from ..core.consolidate import model_state
+from ..core.dcp import is_dcp_checkpoint
 from ..core.deferred import DeferredInit, has_meta_tensors
 from ..core.engine import sync_module_states
 from ..core.engine_ckpt import load_pieces
 from ..core.scaler import LossScaler
 from .adapter import EngineAdapter
-from .checkpointing import save_sharded
+from .checkpointing import open_reader, save_dcp, save_sharded
 from .config import FSDPConfig, Zero3Config, ZeroConfig
 from .knobs import describe, takes_knobs_of
 from .precision import check_grads, sharded_step
@@ -409,11 +410,12 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """``state_dict_type="sharded"`` (default): a checkpoint directory in which each rank writes its own shards
-        (the Trainer's format; ``lightning-shard consolidate`` makes one file of it). ``"full"``: one file from
-        rank 0, as Fabric's own strategies write. Collective."""
+        (the Trainer's format; ``lightning-shard consolidate`` makes one file of it). ``"dcp"``: the same through
+        ``torch.distributed.checkpoint``. ``"full"``: one file from rank 0, as Fabric's own strategies write.
+        Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if self.state_dict_type != "sharded" or self.engine is None or self._released():
+        if self.state_dict_type not in ("sharded", "dcp") or self.engine is None or self._released():
             if Path(path).is_dir():
                 raise CheckpointError(f"{path} is a sharded checkpoint folder; a full checkpoint file cannot "
                                       "replace it")
@@ -430,20 +432,22 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         # what a Trainer resuming from this checkpoint looks for (its loops start at 0: Fabric keeps no loop state)
         others.setdefault("pytorch-lightning_version", lightning.__version__)
         others.setdefault("lr_schedulers", [])
-        save_sharded(self.engine, others, path, type(self).strategy_name)
+        (save_dcp if self.state_dict_type == "dcp" else save_sharded)(self.engine, others, path,
+                                                                      type(self).strategy_name)
 
     def load_checkpoint(self, path: Any,
                         state: Optional[Union[nn.Module, torch.optim.Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (from Fabric or the Trainer, any strategy and world size) or a full file; the
         objects in ``state`` are restored in place; returns what the checkpoint holds beyond them."""
-        if not is_sharded_checkpoint(path):
+        if not (is_sharded_checkpoint(path) or is_dcp_checkpoint(path)):
             if Path(path).is_dir():
                 Reader(path)  # raises the explanatory error
             return self._load_full(path, state, strict)
-        reader = Reader(path)
+        reader = open_reader(path, self._module)
         saved = reader.trainer_state()
         own = saved.pop(OWN_KEYS, None) or {}
+        saved.pop("lightning_shard", None)  # a DCP directory's record of the saving job
         if isinstance(state, nn.Module):
             state = {own.get("module", "model"): state}
         if not state:

@@ -112,12 +112,15 @@ def test_setup_module_then_setup_optimizers(world, ref):
     assert max_diff(out["state"], expected) < TOL
 
 
-def test_fabric_checkpoint_resumes_under_the_trainer(world, ref, tmp_path):
-    """fabric.save after 3 steps (zero2, sharded directory); a Trainer with zero3 loads it and trains 3 more:
-    equal to 6 uninterrupted steps in one process."""
+@pytest.mark.parametrize("state_dict_type", ["sharded", "dcp"])
+def test_fabric_checkpoint_resumes_under_the_trainer(world, ref, tmp_path, state_dict_type):
+    """fabric.save after 3 steps (zero2; our sharded directory or torch.distributed.checkpoint's); a Trainer with
+    zero3 loads it and trains 3 more: equal to 6 uninterrupted steps in one process."""
     expected, _ = ref("tiny_lm", steps=2 * STEPS)
     ckpt = str(tmp_path / "fabric.ckpt")
-    world.run(fs.fabric_fit, "zero2", ACC, STEPS, save_to=ckpt, save_step=STEPS)
+    world.run(fs.fabric_fit, "zero2", ACC, STEPS, save_to=ckpt, save_step=STEPS,
+              knobs={"state_dict_type": state_dict_type})
+    assert (tmp_path / "fabric.ckpt" / (".metadata" if state_dict_type == "dcp" else "meta.json")).is_file()
     assert (tmp_path / "fabric.ckpt").is_dir()
     out = world.run(sc.fit_zero, 3, "auto", ACC, STEPS, optimizer="adam", model="tiny_lm", resume_from=ckpt,
                     data_steps=2 * STEPS, first_step=STEPS)[0]

@@ -4,7 +4,8 @@ inside functions) and on the attribute chains that reach ``torch.distributed`` w
 The layer map: core imports torch only (and the core); topology imports no torch, no Lightning and no other
 layer; planner and topology never import the strategies or the app; recipes never import the core; only
 ``app/`` and ``train.py`` import Hydra; only ``core/collectives.py`` calls ``torch.distributed`` (its ``checkpoint``
-package is allowed where checkpoints live: core/checkpoint.py, core/engine_ckpt.py, strategies/checkpointing.py).
+package is allowed where checkpoints live: core/checkpoint.py, core/engine_ckpt.py, core/dcp.py,
+strategies/checkpointing.py).
 Each rule is also checked against a made-up module that breaks it, so a rule that cannot fail is caught."""
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_no_pytorch_lightning_namespace():
             assert not name.startswith("pytorch_lightning"), f"{f}: use the `lightning` package"
 
 
-CHECKPOINT_FILES = {"core/checkpoint.py", "core/engine_ckpt.py", "strategies/checkpointing.py"}
+CHECKPOINT_FILES = {"core/checkpoint.py", "core/engine_ckpt.py", "core/dcp.py", "strategies/checkpointing.py"}
 _THIRD_PARTY_HEAVY = ("torch", "lightning", "pytorch_lightning", "hydra", "omegaconf")
 
 

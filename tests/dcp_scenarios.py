@@ -1,0 +1,49 @@
+"""Worker-side scenarios for torch.distributed.checkpoint interop: the same LightningModule (tests/zoo.py's
+TinyLMModule) trained by torch FSDP2 through Lightning's ModelParallelStrategy, saving and resuming DCP
+checkpoints, so that they can be exchanged with our strategies."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from tests.zoo import RankMicroBatches, TinyLMModule, dataset
+
+
+class FSDP2TinyLM(TinyLMModule):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def fit_fsdp2(steps: int, acc: int, data_steps: Optional[int] = None, ckpt_dir: Optional[str] = None,
+              resume_from: Optional[str] = None) -> dict[str, Any]:
+    """``ckpt_dir``: ModelCheckpoint every 3 optimizer steps (DCP directories, mid-epoch)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    L.seed_everything(0, verbose=False)
+    module = FSDP2TinyLM(optimizer="adam")
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo",
+                                     save_distributed_checkpoint=True)
+    callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] \
+        if ckpt_dir else []
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
+                        accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks)
+    data = dataset(data_steps or steps, acc, world, "tiny_lm")
+    trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
+                ckpt_path=resume_from)
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {"state": {k: v.detach().clone() for k, v in full.items()}, "global_step": trainer.global_step}
