@@ -87,7 +87,8 @@ def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "ad
 def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", optimizer: str = "adam",
                clip: Optional[float] = None, precision: str = "32-true", knobs: Optional[dict] = None,
                save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
-               first_step: int = 0, empty_init: bool = False, separate_setup: bool = False) -> dict[str, Any]:
+               first_step: int = 0, empty_init: bool = False, separate_setup: bool = False,
+               compile_backend: Optional[str] = None) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with ``acc`` micro-batches each in a Fabric loop; ``save_to`` after
     ``save_step`` steps (``fabric.save``), ``load_from`` before the first (``fabric.load``). Returns the weights as
     a user saves them (``model.state_dict()``), the ledger's (op, tag) per micro-batch and what load returned."""
@@ -102,6 +103,13 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
     with fabric.init_module(empty_init=empty_init):
         net = _model(model)
     opt = _optimizer(net, optimizer)
+    if compile_backend:  # each transformer block compiled in place (names, and so checkpoints, unchanged)
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for block in (net.model if isinstance(net, TinyLMModule) else net).blocks:
+            block.compile(backend=compile_backend)
     if separate_setup:
         net = fabric.setup_module(net)
         opt = fabric.setup_optimizers(opt)
@@ -133,6 +141,12 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
     out = {"state": state, "initial": initial, "per_batch": per_batch, "norms": norms, "loaded": loaded,
            "policy": getattr(strategy_obj, "accumulation_policy", None), "class": type(strategy_obj).__name__,
            "param_dtype": str(next(net.parameters()).dtype)}
+    if compile_backend:
+        import torch._dynamo
+
+        out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        out["break_reasons"] = sorted(torch._dynamo.utils.counters["graph_break"])[:5]
+        out["frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     strategy_obj.teardown()
     return out
 

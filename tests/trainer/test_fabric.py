@@ -190,3 +190,21 @@ def test_accumulating_without_no_backward_sync_is_refused(world):
     with pytest.raises(RuntimeError, match=r"backward ran again after the gradients of bucket .* were reduced.*"
                                            r"fabric.no_backward_sync\(model, enabled=True\)"):
         world.run(fs.double_backward)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_compiled_blocks_train_like_eager(world, ref, name):
+    """torch.compile of each block (in place, names unchanged; the aot_eager backend: dynamo's tracing and AOT
+    autograd without inductor's C++ build): the same weights as one eager process. The graph breaks are the
+    engine's forward pre-hooks (the wait for the post-step parameter gather)."""
+    expected, _ = ref("tiny_lm")
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager")[0]
+    assert max_diff(out["state"], expected) < TOL
+    assert out["frames"] >= 2 and out["graph_breaks"] <= 4, (out["graph_breaks"], out["break_reasons"])
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_shard"])
+def test_compiled_blocks_are_refused_at_stage_3(world, name):
+    with pytest.raises(RuntimeError, match=r"zero3 / fsdp_shard do not support torch.compile'd modules yet "
+                                           r"\(model.blocks.0, model.blocks.1 compiled\)"):
+        world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager")
