@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -61,6 +62,28 @@ class EngineAdapter:
         self.accumulation_reason: str = ""
         return {k: lightning.get(k) for k in self.LIGHTNING_ARGS}
 
+    # ------------------------------------------------------------------ the devices (both hosts' ParallelStrategy)
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
     # ------------------------------------------------------------------ process group and device groups
     def _connect(self) -> None:
         """Join the process group (or check the one that exists), then form the shard/replicate groups."""
@@ -84,6 +107,19 @@ class EngineAdapter:
         shard = self._groups.axes["shard"] if self._groups.axes else None
         self.placement_warning = check_job_placement(topology, self.num_processes, self.stage, shard,
                                                      self.strict_placement)
+
+    # ------------------------------------------------------------------ full weights on demand
+    @contextmanager
+    def gathered_params(self) -> Generator[None, None, None]:
+        """Stage 3: all parameters materialized on every rank inside the block (generation, export); resharded
+        after. Collective: every rank must enter it. Changes made to parameters inside are discarded. Below stage
+        3 the module holds full parameters anyway: nothing to do."""
+        controller = self.engine.controller if self.engine is not None else None
+        if controller is None:
+            yield
+            return
+        with controller.full_params():
+            yield
 
     # ------------------------------------------------------------------ the engine
     def _accumulation(self, module: torch.nn.Module, accumulate: int) -> tuple[str, str]:

@@ -93,6 +93,23 @@ class ShardedModule(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def _restore_rest(state: dict[str, Any], saved: dict[str, Any], done: set, path: Any, strict: bool) -> dict[str, Any]:
+    """The entries of ``state`` besides the module and its optimizers (``done``): objects with ``load_state_dict``
+    load theirs, the others are replaced by the saved values (as Fabric's own strategies do); returns the rest."""
+    for name, obj in list(state.items()):
+        if name in done:
+            continue
+        if name not in saved:
+            if strict:
+                raise KeyError(f"'{name}' is not in the checkpoint {path}; it holds {sorted(saved)}")
+            continue
+        if hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
+            obj.load_state_dict(saved.pop(name))
+        else:
+            state[name] = saved.pop(name)
+    return saved
+
+
 def _inner(module: Any) -> Any:
     """The user's module inside our wrapper (what ``fabric.save`` hands over is the wrapper)."""
     return module.module if isinstance(module, ShardedModule) else module
@@ -120,27 +137,6 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         self._checked: dict[int, str] = {}  # id(optimizer) -> check_grads' answer, between clipping and the step
 
     # ------------------------------------------------------------------ Fabric surface
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     @property
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()
@@ -460,21 +456,9 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         if opt_keys:
             self._check_optimizers(reader, len(opt_keys))
             load_pieces(self.engine, reader, params=False, optimizer=True)
-        done = {k for k in (module_key, *opt_keys) if k is not None}
         for k in ("state_dict", "optimizer_states", own.get("module"), *own.get("optimizers", [])):
             saved.pop(k, None)
-        for name, obj in list(state.items()):
-            if name in done:
-                continue
-            if name not in saved:
-                if strict:
-                    raise KeyError(f"'{name}' is not in the checkpoint {path}; it holds {sorted(saved)}")
-                continue
-            if hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
-                obj.load_state_dict(saved.pop(name))
-            else:
-                state[name] = saved.pop(name)
-        return saved
+        return _restore_rest(state, saved, {module_key, *opt_keys}, path, strict)
 
     def _check_optimizers(self, reader: Reader, n: int) -> None:
         if len(reader.meta["optimizers"]) != n:
@@ -533,18 +517,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
                 opt.load_state_dict(saved)
             else:
                 self.engine.binding_for(opt).load_full_state_dict(saved)
-        for name, obj in list(state.items()):
-            if name == module_key or name in opt_keys:
-                continue
-            if name not in checkpoint:
-                if strict:
-                    raise KeyError(f"'{name}' is not in the checkpoint {path}; it holds {sorted(checkpoint)}")
-                continue
-            if hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
-                obj.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
-        return checkpoint
+        return _restore_rest(state, checkpoint, {module_key, *opt_keys}, path, strict)
 
     def _load_full_module(self, weights: dict[str, torch.Tensor], strict: bool) -> None:
         module, engine = self._module, self.engine
@@ -564,17 +537,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
             engine.load_full({n: v for n, v in weights.items() if n in param_names and v.dtype == torch.float32},
                              masters_only=True)
 
-    # ------------------------------------------------------------------ full weights and teardown
-    @contextmanager
-    def gathered_params(self) -> Generator[None, None, None]:
-        """Stage 3: every parameter materialized on every rank inside the block (generation, export). Collective."""
-        controller = self.engine.controller if self.engine is not None else None
-        if controller is None:
-            yield
-            return
-        with controller.full_params():
-            yield
-
+    # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         for h in self._root_hooks:
             h.remove()

@@ -67,27 +67,6 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         return True  # Lightning injects a DistributedSampler and reduces sync_dist logs only when this is True
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
     def precision_plugin(self) -> ShardedPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = ShardedPrecision()

@@ -119,18 +119,6 @@ class Zero3Strategy(ZeroStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._around_step(super().predict_step, *args, **kwargs)
 
-    # ------------------------------------------------------------------ full weights on demand
-    @contextmanager
-    def gathered_params(self) -> Generator[None, None, None]:
-        """All parameters materialized on every rank inside the block (generation, export); resharded after.
-        Collective: every rank must enter it. Changes made to parameters inside are discarded."""
-        controller = self.engine.controller if self.engine is not None else None
-        if controller is None:
-            yield
-            return
-        with controller.full_params():
-            yield
-
     def teardown(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.interrupted
