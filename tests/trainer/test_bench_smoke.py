@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--variants", "zero2", "ddp", "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--n-layer", "1",
         "--n-head", "2", "--n-embd", "32", "--vocab", "256", "--block-size", "16", "--batch-size", "1",
@@ -73,3 +75,18 @@ def test_bench_speed_smoke(tmp_path):
     assert "DistributedDataParallel.forward" in res["ddp"]["labels_s_per_step_rank0"]
     md = (tmp_path / "speed.md").read_text()
     assert "| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 |" in md and "page faults / step" in md
+
+
+def test_bench_compile_smoke(tmp_path):
+    """bench_compile.py end to end at the smallest size: eager and inductor jobs of zero2 (fresh Fabric processes),
+    the same final loss, the table."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    argv = [sys.executable, str(REPO / "bench" / "bench_compile.py"), "--variants", "zero2", "--repeats", "1",
+            "--steps", "2", "--warmup", "1", "--layers", "1", "--width", "64", "--vocab", "256", "--block", "32",
+            "--out-dir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "compile.json").read_text())
+    eager, inductor = doc["results"]["zero2/eager"][0], doc["results"]["zero2/inductor"][0]
+    assert eager["final_loss"] == pytest.approx(inductor["final_loss"], rel=1e-4)
+    assert "| zero2 |" in (tmp_path / "compile.md").read_text()
