@@ -208,6 +208,28 @@ def _called_by_checkpoint_dump() -> bool:
     return False
 
 
+def model_shapes(module: Any, engine: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``module``'s state dict with its full shape (stage 3 parameters hold no elements between
+    steps: their shape comes from the engine's layout)."""
+    full: dict[int, tuple[int, ...]] = {}
+    if engine is not None:
+        for b in engine.buckets:
+            for p, slot in zip(b.params, b.layout.slots):
+                full[id(p)] = tuple(slot.shape)
+    return {k: full.get(id(t), tuple(t.shape)) for k, t in module.state_dict(keep_vars=True).items()
+            if torch.is_tensor(t)}
+
+
+def checkpoint_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of every module tensor a checkpoint directory holds, under each name of a tied weight."""
+    there = {k: tuple(v) for k, v in reader.shapes.items()}
+    for first, names in reader.meta.get("aliases", {}).items():
+        for n in names:
+            if first in there:
+                there[n] = there[first]
+    return there
+
+
 class ShardedCheckpointIO(TorchCheckpointIO):
     """For any Trainer: reads lightning_shard sharded directories (consolidated in memory) and regular files;
     removes checkpoint directories. ``Trainer(strategy="ddp", plugins=[ShardedCheckpointIO()])``.
@@ -314,31 +336,16 @@ class CheckpointMixin:
         # weights_only=False executes arbitrary pickles). Own classes in hparams: torch.serialization.add_safe_globals
         return super().load_checkpoint(checkpoint_path, weights_only=True)
 
-    def _model_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the module's state dict with its full shape (stage 3 parameters hold no elements
-        between steps: their shape comes from the engine's layout)."""
-        full: dict[int, tuple[int, ...]] = {}
-        if self.engine is not None:
-            for b in self.engine.buckets:
-                for p, slot in zip(b.params, b.layout.slots):
-                    full[id(p)] = tuple(slot.shape)
-        return {k: full.get(id(t), tuple(t.shape)) for k, t in self.lightning_module.state_dict(keep_vars=True).items()
-                if torch.is_tensor(t)}
-
     def _check_fits(self, checkpoint: Any, strict: bool) -> None:
         """Refuse a checkpoint of another model before anything is loaded, naming the differences (rank 0: the
         other ranks raise too, with a one-line pointer, so the cause is printed once)."""
         if self._reader is not None:
-            there = {k: tuple(v) for k, v in self._reader.shapes.items()}
-            for first, names in self._reader.meta.get("aliases", {}).items():
-                for n in names:
-                    if first in there:
-                        there[n] = there[first]
+            there = checkpoint_shapes(self._reader)
             where = str(self._reader.path)
         else:
             there = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if torch.is_tensor(v)}
             where = str(getattr(self, "_ckpt_path", "the checkpoint"))
-        problem = model_mismatch(self._model_shapes(), there, strict=strict)
+        problem = model_mismatch(model_shapes(self.lightning_module, self.engine), there, strict=strict)
         if problem is None:
             return
         if C.get_rank() == 0:

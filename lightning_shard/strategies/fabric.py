@@ -56,7 +56,7 @@ from ..core.engine import sync_module_states
 from ..core.engine_ckpt import load_pieces
 from ..core.scaler import LossScaler
 from .adapter import EngineAdapter
-from .checkpointing import open_reader, save_dcp, save_sharded
+from .checkpointing import checkpoint_shapes, model_shapes, open_reader, save_dcp, save_sharded
 from .config import FSDPConfig, Zero3Config, ZeroConfig
 from .knobs import describe, takes_knobs_of
 from .precision import check_grads, sharded_step
@@ -468,20 +468,9 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
     def _load_model(self, reader: Reader, strict: bool) -> None:
         module, engine = self._module, self.engine
         assert module is not None
-        full = {}
-        if engine is not None:
-            for b in engine.buckets:
-                for p, slot in zip(b.params, b.layout.slots):
-                    full[id(p)] = tuple(slot.shape)
         with self._raw():
-            mine = {k: full.get(id(t), tuple(t.shape)) for k, t in module.state_dict(keep_vars=True).items()
-                    if torch.is_tensor(t)}
-        there = {k: tuple(v) for k, v in reader.shapes.items()}
-        for first, names in reader.meta.get("aliases", {}).items():
-            for n in names:
-                if first in there:
-                    there[n] = there[first]
-        problem = model_mismatch(mine, there, strict=strict)
+            mine = model_shapes(module, engine)
+        problem = model_mismatch(mine, checkpoint_shapes(reader), strict=strict)
         if problem is not None:
             raise CheckpointError(f"checkpoint {reader.path} is for another model: {problem}")
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
