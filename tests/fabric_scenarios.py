@@ -88,7 +88,7 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
                clip: Optional[float] = None, precision: str = "32-true", knobs: Optional[dict] = None,
                save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
                first_step: int = 0, empty_init: bool = False, separate_setup: bool = False,
-               compile_backend: Optional[str] = None) -> dict[str, Any]:
+               compile_backend: Optional[str] = None, compile_whole: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with ``acc`` micro-batches each in a Fabric loop; ``save_to`` after
     ``save_step`` steps (``fabric.save``), ``load_from`` before the first (``fabric.load``). Returns the weights as
     a user saves them (``model.state_dict()``), the ledger's (op, tag) per micro-batch and what load returned."""
@@ -103,13 +103,14 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
     with fabric.init_module(empty_init=empty_init):
         net = _model(model)
     opt = _optimizer(net, optimizer)
-    if compile_backend:  # each transformer block compiled in place (names, and so checkpoints, unchanged)
+    if compile_backend:  # each transformer block (or the whole GPT) compiled in place: names, checkpoints unchanged
         import torch._dynamo
 
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        for block in (net.model if isinstance(net, TinyLMModule) else net).blocks:
-            block.compile(backend=compile_backend)
+        gpt = net.model if isinstance(net, TinyLMModule) else net
+        for m in [gpt] if compile_whole else gpt.blocks:
+            m.compile(backend=compile_backend)
     if separate_setup:
         net = fabric.setup_module(net)
         opt = fabric.setup_optimizers(opt)

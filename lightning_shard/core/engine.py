@@ -38,19 +38,6 @@ from .unit import Unit
 from .units import describe_plan, plan_units
 
 
-def _refuse_compiled(module: nn.Module) -> None:
-    """Stage 3 and ``torch.compile``: the re-gather of a unit's parameters in backward writes into storage that
-    a compiled graph saved for its own backward, and autograd then fails with "modified by an inplace operation";
-    say so at set-up, naming the module, instead."""
-    compiled = [name or type(module).__name__ for name, m in module.named_modules()
-                if getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"]
-    if compiled:
-        raise ValueError(f"zero3 / fsdp_shard do not support torch.compile'd modules yet ({', '.join(compiled[:3])}"
-                         f"{'...' if len(compiled) > 3 else ''} compiled): parameters gathered again in backward "
-                         "conflict with the tensors a compiled graph saved. Compile under zero0/zero1/zero2, or train "
-                         "this model uncompiled with stage 3.")
-
-
 class ShardEngine:
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
                  group: C.Group = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
@@ -122,7 +109,6 @@ class ShardEngine:
         self.plan_summary = ""
         self.gather_group = group
         if self.spec.shards_params:
-            _refuse_compiled(module)
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
                                numel=deferred.numel if deferred is not None else (lambda p: p.numel()),

@@ -58,6 +58,23 @@ class ShardedUseGuard(TorchFunctionMode):
         super().__init__()
         self.lookup, self.on_use = lookup, on_use
         self.paused = 0
+        self._stance: Any = None
+
+    def __enter__(self) -> "ShardedUseGuard":
+        # torch.compile'd modules run eagerly while the guard watches (the first step): dynamo would trace this
+        # mode into their graphs, specialised to this step's tensors, and compile them again in the next step
+        self._stance = torch.compiler.set_stance("force_eager")
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stance.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stance.__exit__(None, None, None)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}

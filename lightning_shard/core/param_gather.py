@@ -11,6 +11,8 @@ from torch import nn
 
 from . import collectives as C
 from .bucket import Bucket
+from .state import eager
+from .units import compiled_modules
 
 
 class PostStepGathers:
@@ -22,16 +24,24 @@ class PostStepGathers:
 
     @staticmethod
     def _register_waits(module: nn.Module, buckets: list[Bucket]) -> list[Any]:
+        """A wait hook on each module holding parameters directly; inside a ``torch.compile``'d module, one on the
+        compiled module for everything below it (the hooks run eagerly: each is a graph break)."""
         owners: dict[int, set[int]] = {}
         for b in buckets:
             for p in b.params:
                 owners.setdefault(id(p), set()).add(b.index)
-        handles = []
-        for m in module.modules():
-            mine = sorted({i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())})
+        compiled = [c for c in compiled_modules(module) if c]  # the root's forward may never run
+        waits_of: dict[str, set[int]] = {}
+        named = dict(module.named_modules())
+        for name, m in named.items():
+            mine = {i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())}
             if mine:
-                waits = [buckets[i] for i in mine]
-                handles.append(m.register_forward_pre_hook(lambda mod, args, waits=waits: _wait(waits)))
+                at = next((c for c in compiled if name == c or name.startswith(c + ".")), name)
+                waits_of.setdefault(at, set()).update(mine)
+        handles = []
+        for at, indices in waits_of.items():
+            waits = [buckets[i] for i in sorted(indices)]
+            handles.append(named[at].register_forward_pre_hook(eager(lambda mod, args, waits=waits: _wait(waits))))
         return handles
 
     def launch(self, buckets: list[Bucket]) -> None:

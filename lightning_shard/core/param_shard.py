@@ -39,7 +39,7 @@ from .bucket import Gauge
 from .guard import ShardedUseGuard
 from .param_shard_backward import BackwardSchedule
 from .param_shard_forward import ForwardHooks
-from .state import AccumulationPolicy, ParamState
+from .state import AccumulationPolicy, ParamState, eager
 from .sync import GradSync
 from .unit import ControllerState, Unit, _Pass, merge_orders
 
@@ -85,14 +85,15 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         self._handles = []
         for u in units:
             if u.module is not None:
-                self._handles.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u), with_kwargs=True))
-                self._handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+                pre, post = eager(self._pre_forward_hook(u)), eager(self._post_forward_hook(u))
+                self._handles.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(u.module.register_forward_hook(post))
         # modules enclosing units: the end of their forward frees the units skipped inside them
         names = {u.name for u in units if u.module is not None}
         enclosing = {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)} - names
         for name, m in module.named_modules():
             if name in enclosing:
-                self._handles.append(m.register_forward_hook(lambda mod, a, o, name=name: self._end_of(name)))
+                self._handles.append(m.register_forward_hook(eager(lambda mod, a, o, name=name: self._end_of(name))))
 
     # ------------------------------------------------------------------ schedule
     def _set_schedule(self, order: list[int]) -> None:

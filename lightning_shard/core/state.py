@@ -7,6 +7,7 @@ controller shows up as a named error at the point it happens, not as silently wr
 from __future__ import annotations
 
 import enum
+from typing import Callable
 
 import torch
 
@@ -75,3 +76,11 @@ def autograd_running() -> bool:
     """True while autograd's engine runs a backward on this thread (hooks fired from backward, activation
     checkpointing's recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def eager(hook: Callable) -> Callable:
+    """A module hook of the engine, run eagerly even inside a ``torch.compile``'d module: gathers, frees and waits
+    change parameters' storage and register autograd hooks on real tensors, which a traced graph cannot replay.
+    ``module.compile()`` compiles the hooks with the forward, so each such hook is a graph break, at the start
+    or the end of the module's forward."""
+    return torch.compiler.disable(hook, recursive=True)

@@ -8,6 +8,9 @@
 * ``leaf_modules`` (both): modules whose whole subtree is one unit, gathered in the leaf's forward (e.g. a
   mixture-of-experts block, or a module whose code reads its children's weights in ways the bytecode scan of
   :mod:`.reads` cannot see).
+* A ``torch.compile``'d module (``module.compile()`` in place, or the ``OptimizedModule`` that ``torch.compile``
+  returns) is a leaf under ``zero3`` unless it holds a list of blocks: the engine's hooks run eagerly, so each
+  unit boundary inside a compiled module is a graph break; one unit per compiled block keeps its graph whole.
 * A parameter that a module's forward reads itself (``self.out_proj.weight`` in ``nn.MultiheadAttention``)
   belongs to the reader's unit; under ``zero3`` the reader becomes a unit if it was not one.
 * The **root unit** holds every parameter no unit claims, plus tied parameters used by modules of different
@@ -69,6 +72,19 @@ def auto_wrap_classes(root: nn.Module) -> tuple[type, ...]:
     return tuple(found)
 
 
+def compiled_modules(root: nn.Module) -> list[str]:
+    """FQNs of the modules ``torch.compile`` compiles: in place (``module.compile()``) or wrapped
+    (``OptimizedModule``), outermost first, registration order."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [n for n, m in root.named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)]
+
+
+def _holds_blocks(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) and any(True for _ in m.parameters()) for m in module.modules())
+
+
 def _named(root: nn.Module, spec) -> set[str]:
     """Names of the modules matching ``spec``: classes, class names, or module FQNs."""
     items = _classes(spec)
@@ -106,6 +122,8 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
         present = sorted({type(m).__name__ for m in modules.values()})
         raise ValueError(f"leaf_modules={list(map(str, _classes(leaf_modules)))} matched no module of the model; "
                          f"module classes in this model: {present}")
+    if granularity == "zero3":
+        leaves |= {n for n in compiled_modules(root) if n and not _holds_blocks(modules[n])}
     # parameters that a module's forward code reads itself belong to the reader (see reads.py)
     all_params = dict(root.named_parameters(remove_duplicate=False))
     readers: dict[int, set[str]] = {}

@@ -192,19 +192,30 @@ def test_accumulating_without_no_backward_sync_is_refused(world):
         world.run(fs.double_backward)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_compiled_blocks_train_like_eager(world, ref, name):
     """torch.compile of each block (in place, names unchanged; the aot_eager backend: dynamo's tracing and AOT
-    autograd without inductor's C++ build): the same weights as one eager process. The graph breaks are the
-    engine's forward pre-hooks (the wait for the post-step parameter gather)."""
+    autograd without inductor's C++ build): the same weights as one eager process. The engine's hooks run eagerly
+    outside the compiled graph: the wait for the post-step parameter gather (zero1/2), the gather and free of a
+    unit at the start and end of its forward (zero3/fsdp_shard; zero3 makes each compiled block one unit)."""
     expected, _ = ref("tiny_lm")
     out = world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager")[0]
     assert max_diff(out["state"], expected) < TOL
-    assert out["frames"] >= 2 and out["graph_breaks"] <= 4, (out["graph_breaks"], out["break_reasons"])
+    # no graph breaks inside a block, and one graph for the two blocks in every step: the first step runs eagerly
+    # (the engine discovers its plan there), so nothing is compiled again once the schedule is fixed
+    assert (out["graph_breaks"], out["frames"]) == (0, 1), out["break_reasons"]
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp_shard"])
-def test_compiled_blocks_are_refused_at_stage_3(world, name):
-    with pytest.raises(RuntimeError, match=r"zero3 / fsdp_shard do not support torch.compile'd modules yet "
-                                           r"\(model.blocks.0, model.blocks.1 compiled\)"):
-        world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager")
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_a_compiled_whole_model_trains_like_eager(world, ref, name):
+    """The whole GPT compiled (it holds the blocks, so zero3 keeps its per-module units): every unit boundary
+    inside it is a graph break where the engine's hook runs eagerly, and the weights still equal one process's."""
+    expected, _ = ref("tiny_lm")
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager", compile_whole=True)[0]
+    assert max_diff(out["state"], expected) < TOL
+    if name == "zero2":  # one wait hook, on the compiled module itself
+        assert (out["graph_breaks"], out["frames"]) == (0, 1), out["break_reasons"]
+    else:  # measured: 9 breaks, 13 graphs; every break is one of the engine's eager hooks
+        assert out["graph_breaks"] > 0 and out["frames"] > 1
+        ours = ("ForwardHooks.", "ParamShardController.")
+        assert all("torch.compiler.disable()" in r and any(o in r for o in ours) for r in out["break_reasons"]), out

@@ -71,6 +71,31 @@ def test_leaf_modules_make_one_unit_of_a_subtree():
         plan_units(model, "zero3", leaf_modules=["Nope"])
 
 
+def test_a_compiled_block_is_one_zero3_unit():
+    """Each unit boundary inside a compiled module is a graph break (the hooks run eagerly), so zero3 makes a
+    compiled block one unit, whether compiled in place or wrapped by torch.compile; a compiled module that holds
+    the blocks keeps its units; fsdp's plan does not change."""
+
+    def model() -> nn.Module:
+        blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4)) for _ in range(3))
+        return nn.ModuleDict({"body": nn.ModuleDict({"blocks": blocks}), "head": nn.Linear(4, 2)})
+
+    m = model()
+    plain = [s.name for s in plan_units(m, "zero3")]
+    assert "body.blocks.0.1" in plain and "body.blocks.0" not in plain
+    m.body.blocks[0].compile()
+    m.body.blocks[2] = torch.compile(m.body.blocks[2])
+    units = {s.name: len(s.params) for s in plan_units(m, "zero3")}
+    assert units["body.blocks.0"] == 6 and units["body.blocks.2"] == 6, units
+    assert not any(n.startswith(("body.blocks.0.", "body.blocks.2.")) for n in units), units
+    assert "body.blocks.1.0" in units and "head" in units  # not compiled: per module, as before
+    m = model()
+    m.body.compile()  # the blocks' holder: its units stay (each is a graph break inside the compiled forward)
+    assert [s.name for s in plan_units(m, "zero3")] == plain
+    m.body.blocks[1].compile()
+    assert [s.name for s in plan_units(m, "fsdp", "auto")] == [s.name for s in plan_units(model(), "fsdp", "auto")]
+
+
 def test_fsdp_auto_without_blocks_is_one_unit_and_says_so():
     model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4))
     specs = plan_units(model, "fsdp", "auto")
