@@ -47,3 +47,34 @@ def fit_fsdp2(steps: int, acc: int, data_steps: Optional[int] = None, ckpt_dir: 
                 ckpt_path=resume_from)
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {"state": {k: v.detach().clone() for k, v in full.items()}, "global_step": trainer.global_step}
+
+
+
+def as_fsdp1_folder(ours: str, out: str) -> None:
+    """Rewrite one of our DCP folders in the layout Lightning's ``FSDPStrategy(state_dict_type="sharded")``
+    writes (torch FSDP1 refuses a CPU-only machine, so it cannot write one here): its ``save_checkpoint`` passes
+    ``{"model": state_dict, "optimizer_0": FQN-keyed optimizer state}`` to Lightning's own
+    ``_distributed_checkpoint_save`` and puts the rest in ``meta.pt``, as done here with the same function."""
+    import shutil
+    from pathlib import Path
+
+    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat_path = Path(out).with_suffix(".flat.pt")
+    dcp_to_torch_save(ours, flat_path)
+    flat = torch.load(flat_path, weights_only=False)
+    model = {k[len("state_dict."):]: v for k, v in flat.items() if k.startswith("state_dict.")}
+    state: dict = {}
+    groups: dict = {}
+    for k, v in flat.items():
+        if k.startswith("optimizer_0.state."):
+            name, key = k[len("optimizer_0.state."):].rsplit(".", 1)
+            state.setdefault(name, {})[key] = v
+        elif k.startswith("optimizer_0.param_groups."):
+            g, key = k[len("optimizer_0.param_groups."):].split(".", 1)
+            groups.setdefault(int(g), {})[key] = v
+    Path(out).mkdir(parents=True)
+    _distributed_checkpoint_save({"model": model, "optimizer_0": {"state": state, "param_groups":
+                                  [groups[g] for g in sorted(groups)]}}, Path(out))
+    shutil.copy(Path(ours) / "meta.pt", Path(out) / "meta.pt")

@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint (``state_dict_type="dcp"``): DCP's own consolidation reads our directories; they
 resume under another of our strategies; torch FSDP2 (Lightning's ModelParallelStrategy) checkpoints resume under
-ours and ours under FSDP2, weights and Adam state, equal to one uninterrupted process."""
+ours and ours under FSDP2, weights and Adam state, equal to one uninterrupted process; so does a folder in the layout
+of Lightning FSDPStrategy(state_dict_type="sharded")."""
 
 from __future__ import annotations
 
@@ -84,4 +85,22 @@ def test_ours_resumes_under_fsdp2(world, ref, tmp_path):
     world.run(fit_ours, 3, 2 * STEPS, ckpt_dir=str(tmp_path), strategy_kwargs=DCP)
     out = world.run(ds.fit_fsdp2, 2 * STEPS, ACC, data_steps=STEPS, resume_from=str(tmp_path / STEP3))[0]
     assert out["global_step"] == 2 * STEPS
+    assert max_diff(out["state"], ref) < 1e-5
+
+
+
+def test_lightning_fsdp_sharded_layout_resumes_under_ours(world, ref, tmp_path):
+    """The layout of Lightning FSDPStrategy(state_dict_type="sharded") (torch FSDP1): ``model.``-prefixed keys and
+    a nested FQN-keyed optimizer state, written by Lightning's own DCP save function (FSDP1 itself needs an
+    accelerator); zero3 resumes weights, Adam state and loops from it."""
+    world.run(fit_ours, 2, 2 * STEPS, ckpt_dir=str(tmp_path / "ours"), strategy_kwargs=DCP)
+    fsdp1 = tmp_path / "fsdp1.ckpt"
+    ds.as_fsdp1_folder(str(tmp_path / "ours" / STEP3), str(fsdp1))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(fsdp1)).read_metadata().state_dict_metadata
+    assert "model.model.blocks.0.attn.qkv.weight" in keys and not any(k.startswith("state_dict.") for k in keys)
+    assert "optimizer_0.state.model.blocks.0.attn.qkv.weight.exp_avg" in keys
+    out = world.run(fit_ours, 3, 2 * STEPS, resume_from=str(fsdp1))[0]
+    assert out["first"][:2] == (STEPS, 1)
     assert max_diff(out["state"], ref) < 1e-5
