@@ -25,7 +25,7 @@ class PostStepGathers:
     @staticmethod
     def _register_waits(module: nn.Module, buckets: list[Bucket]) -> list[Any]:
         """A wait hook on each module holding parameters directly; inside a ``torch.compile``'d module, one on the
-        compiled module for everything below it (the hooks run eagerly: each is a graph break)."""
+        compiled module for everything below it (the hooks run eagerly, before the compiled graph: no graph break)."""
         owners: dict[int, set[int]] = {}
         for b in buckets:
             for p in b.params:

@@ -81,6 +81,6 @@ def autograd_running() -> bool:
 def eager(hook: Callable) -> Callable:
     """A module hook of the engine, run eagerly even inside a ``torch.compile``'d module: gathers, frees and waits
     change parameters' storage and register autograd hooks on real tensors, which a traced graph cannot replay.
-    ``module.compile()`` compiles the hooks with the forward, so each such hook is a graph break, at the start
-    or the end of the module's forward."""
+    ``module.compile()`` compiles the hooks with the forward: a hook of the compiled module itself runs before or
+    after its graph (dynamo counts no graph break, measured), a hook of a module inside it breaks the graph."""
     return torch.compiler.disable(hook, recursive=True)
