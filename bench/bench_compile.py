@@ -90,7 +90,7 @@ def job(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps (the first compiles)")
     ap.add_argument("--layers", type=int, default=4)

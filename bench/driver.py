@@ -323,7 +323,8 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
                         "GPT2LMHeadModel (default of the peak suite)")
     p.add_argument("--sizes", nargs="+", default=[], metavar="LxE[xH]",
                    help="peak suite: further row sets at these sizes (layers x width [x heads; default width/64 for "
-                        "hf_gpt2]), e.g. --sizes 24x512 for ~84M parameters; the run's own size comes first")
+                        "hf_gpt2]), e.g. --sizes 24x512 for ~84M parameters; the run's own size comes first. Speed "
+                        "suite: the sizes table's row sets instead of its four (recipe GPT)")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                    help="restrict the suite(s) to these variants (default: all of the suite's)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per variant")
@@ -391,8 +392,8 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
         if dims[1] % n_head:
             p.error(f"--sizes {spec}: width {dims[1]} is not divisible by {n_head} heads")
         sizes.append((dims[0], dims[1], n_head))
-    if sizes and args.suite != "peak":
-        p.error("--sizes is for the peak suite (row sets of one table)")
+    if sizes and args.suite not in ("peak", "speed"):
+        p.error("--sizes is for the peak suite (row sets of one table) and the speed suite's sizes table")
     args.sizes = sizes
     args.suites = list(ALL_SUITES) if args.suite == "all" else [args.suite]
     args.tables = ["main", "world1", "scaling", "sizes"] if "all" in args.tables else list(dict.fromkeys(args.tables))

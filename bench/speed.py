@@ -69,6 +69,8 @@ def row_sets(args: argparse.Namespace, table: str) -> list[tuple[str, argparse.N
         return [at(model["model"], model, devices=1)]
     if table == "scaling":
         return [at(f"world {n}", model, devices=n) for n in (1, 2, 4)]
+    if args.sizes:  # ``--sizes``: these row sets instead of the four
+        return [at("gpt", dict(RECIPE, n_layer=n, n_embd=e, n_head=h)) for n, e, h in args.sizes]
     return [at("gpt", s) for s in SIZES]
 
 

@@ -11,7 +11,8 @@ Knobs of the lightning_shard variants: the zero12 / zero3 / unused suites pass `
 knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class), and on request
 (``--variants``, :data:`OPT_IN`) the same with the knobs of a suffix (:data:`SUFFIXES`): ``_ac``
 (``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload`` (``offload_optimizer``),
-``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``).
+``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the backend's reduce-scatter),
+``_pf3`` (stage 3: ``prefetch_depth=3``).
 
 DeepSpeed peers (peak suite, opt-in: ``--variants ds_zero1 ds_zero2 ds_zero3``; needs the ``bench-deepspeed`` extra):
 DeepSpeed ZeRO stage 1/2/3 with the same model, data, seed, AdamW groups and step counts, run by
@@ -33,10 +34,11 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_offload": {"offload_optimizer": True},
     "_offload_all": {"offload_optimizer": True, "offload_params": True},
     "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (before gloo's all-reduce path)
+    "_pf3": {"prefetch_depth": 3},  # stage 3: three units gathered ahead instead of one
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
-            "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs")
+            "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3")
 OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
 STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
@@ -107,6 +109,8 @@ NOTES = {
     "zero2_rs": "zero2 with reduce_scatter_via='reduce_scatter'",
     "zero3_rs": "zero3 with reduce_scatter_via='reduce_scatter'",
     "fsdp_shard_rs": "fsdp_shard with reduce_scatter_via='reduce_scatter'",
+    "zero3_pf3": "zero3 with prefetch_depth=3 (three units gathered ahead)",
+    "fsdp_shard_pf3": "fsdp_shard with prefetch_depth=3 (three units gathered ahead)",
     "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
                 "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
                 "= bucket_mb MiB of fp32 elements (25 MiB: 6,553,600), overlap_comm=False, "
