@@ -88,7 +88,8 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
                clip: Optional[float] = None, precision: str = "32-true", knobs: Optional[dict] = None,
                save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
                first_step: int = 0, empty_init: bool = False, separate_setup: bool = False,
-               compile_backend: Optional[str] = None, compile_whole: bool = False) -> dict[str, Any]:
+               compile_backend: Optional[str] = None, compile_whole: bool = False,
+               compile_wrapped: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with ``acc`` micro-batches each in a Fabric loop; ``save_to`` after
     ``save_step`` steps (``fabric.save``), ``load_from`` before the first (``fabric.load``). Returns the weights as
     a user saves them (``model.state_dict()``), the ledger's (op, tag) per micro-batch and what load returned."""
@@ -109,7 +110,10 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         gpt = net.model if isinstance(net, TinyLMModule) else net
-        for m in [gpt] if compile_whole else gpt.blocks:
+        if compile_wrapped:  # torch.compile's OptimizedModule in place of each block (names gain "_orig_mod.")
+            for i, block in enumerate(gpt.blocks):
+                gpt.blocks[i] = torch.compile(block, backend=compile_backend)
+        for m in [] if compile_wrapped else [gpt] if compile_whole else gpt.blocks:
             m.compile(backend=compile_backend)
     if separate_setup:
         net = fabric.setup_module(net)

@@ -207,6 +207,17 @@ def test_compiled_blocks_train_like_eager(world, ref, name):
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_blocks_wrapped_by_torch_compile_train_like_eager(world, ref, name):
+    """``blocks[i] = torch.compile(block)``: the OptimizedModule is the unit (zero3) or the place of the wait
+    (zero2); its weights, named with torch's ``_orig_mod.``, equal one eager process's."""
+    expected, _ = ref("tiny_lm")
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, compile_backend="aot_eager", compile_wrapped=True)[0]
+    assert any("._orig_mod." in k for k in out["state"])
+    assert max_diff({k.replace("._orig_mod.", "."): v for k, v in out["state"].items()}, expected) < TOL
+    assert (out["graph_breaks"], out["frames"]) == (0, 1), out["break_reasons"]
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_a_compiled_whole_model_trains_like_eager(world, ref, name):
     """The whole GPT compiled (it holds the blocks, so zero3 keeps its per-module units): every unit boundary
     inside it is a graph break where the engine's hook runs eagerly, and the weights still equal one process's."""
