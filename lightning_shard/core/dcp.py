@@ -196,6 +196,23 @@ class _RangeLoadPlanner(DefaultLoadPlanner):
         return t
 
 
+class _OnceReader(dcp.FileSystemReader):
+    """A DCP file-system reader that reads and unpickles the ``.metadata`` file once: :class:`DCPReader` issues one
+    DCP load per tensor range, and each load asks for the metadata again (for many tensors x many ranks' chunks,
+    the same file unpickled hundreds of times)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.metadata_reads = 0
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata is None:
+            self.metadata_reads += 1
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
 class DCPReader:
     """:class:`.checkpoint.Reader`'s interface over a DCP directory (ours, FSDP2's, Lightning's). Keys as the
     reader's: ``param/<name>``, ``buffer/<name>`` (``param_names``: which module tensors are parameters; without it
@@ -208,7 +225,7 @@ class DCPReader:
         self.path = Path(path)
         if not is_dcp_checkpoint(self.path):
             raise CheckpointError(f"{self.path} is not a torch.distributed.checkpoint directory (no {DCP_METADATA})")
-        self._fs = dcp.FileSystemReader(str(self.path))
+        self._fs = _OnceReader(str(self.path))
         md = self._fs.read_metadata().state_dict_metadata
         prefix = next((p for p in MODEL_PREFIXES if any(k.startswith(p) for k in md)), None)
         if prefix is None:

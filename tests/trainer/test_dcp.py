@@ -55,6 +55,12 @@ def test_dcp_directory_consolidates_with_dcp_tools(world, tmp_path):
     assert full["optimizer_0.param_groups.1.lr"] == 0.05
     from lightning_shard.cli import main  # and our own consolidation reads DCP directories
 
+    from lightning_shard.core.dcp import DCPReader
+
+    reader = DCPReader(ckpt)  # one DCP load per range read, but the metadata file is read once
+    names = reader.keys("param/")
+    assert all(torch.equal(reader.full(f"param/{n}").view(out["state"][n].shape), out["state"][n]) for n in names)
+    assert len(names) > 10 and reader._fs.metadata_reads == 1
     assert main(["consolidate", str(ckpt), str(tmp_path / "ours.pt")]) == 0
     ours = torch.load(tmp_path / "ours.pt", weights_only=True)
     assert ours.keys() == out["state"].keys() and all(torch.equal(ours[k], v) for k, v in out["state"].items())
