@@ -54,7 +54,6 @@ def test_dcp_directory_consolidates_with_dcp_tools(world, tmp_path):
     assert set(groups[0]) | set(groups[1]) <= set(out["state"])
     assert full["optimizer_0.param_groups.1.lr"] == 0.05
     from lightning_shard.cli import main  # and our own consolidation reads DCP directories
-
     from lightning_shard.core.dcp import DCPReader
 
     reader = DCPReader(ckpt)  # one DCP load per range read, but the metadata file is read once
