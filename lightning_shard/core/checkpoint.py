@@ -136,7 +136,26 @@ class Piece:
     hi: int
 
 
-class Reader:
+class KeyedReader:
+    """What every checkpoint reader answers from its table of keys (``_table``: key -> where its data is):
+    ``has``, ``keys`` under a prefix, and the location of a key, or the error naming it."""
+
+    path: Path
+    _table: dict[str, Any]
+
+    def has(self, key: str) -> bool:
+        return key in self._table
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k[len(prefix):] for k in self._table if k.startswith(prefix)]
+
+    def _where(self, key: str) -> Any:
+        if key not in self._table:
+            raise CheckpointError(f"checkpoint {self.path} has no {key!r}")
+        return self._table[key]
+
+
+class Reader(KeyedReader):
     """Reads pieces back from a committed checkpoint directory, for any target layout."""
 
     def __init__(self, path: Any) -> None:
@@ -162,6 +181,7 @@ class Reader:
         self.data = self.path / self.meta.get("data", "")  # version 1: the files sit next to meta.json
         self.index: dict[str, list[Piece]] = {
             k: [Piece(*p) for p in pieces] for k, pieces in self.meta["index"].items()}
+        self._table = self.index
         self.shapes: dict[str, list[int]] = self.meta["shapes"]
         self._files: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -177,17 +197,9 @@ class Reader:
                                       "truncated, corrupted or not written by lightning_shard") from err
         return self._files[rank]
 
-    def has(self, key: str) -> bool:
-        return key in self.index
-
-    def keys(self, prefix: str) -> list[str]:
-        return [k[len(prefix):] for k in self.index if k.startswith(prefix)]
-
     def read(self, key: str, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``key``, stitched from every file that holds part."""
-        if key not in self.index:
-            raise CheckpointError(f"checkpoint {self.path} has no {key!r}")
-        pieces = self.index[key]
+        pieces = self._where(key)
         numel = max(p.hi for p in pieces)
         hi = numel if hi is None else hi
         out: Optional[torch.Tensor] = None

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, KeyedReader
 
 META_PT = "meta.pt"  # Lightning's name for the non-tensor rest of a DCP checkpoint
 OWN_META = "lightning_shard"  # our entry in meta.pt: the saving job's world size, accumulation, strategy
@@ -213,7 +213,7 @@ class _OnceReader(dcp.FileSystemReader):
         return self._metadata
 
 
-class DCPReader:
+class DCPReader(KeyedReader):
     """:class:`.checkpoint.Reader`'s interface over a DCP directory (ours, FSDP2's, Lightning's). Keys as the
     reader's: ``param/<name>``, ``buffer/<name>`` (``param_names``: which module tensors are parameters; without it
     every module tensor counts as a parameter), ``optim/<i>/<name>/<key>``. Each read is a DCP load of those elements
@@ -231,7 +231,7 @@ class DCPReader:
         if prefix is None:
             raise CheckpointError(f"{self.path}: a DCP checkpoint without module state (no key starts with "
                                   f"{' or '.join(MODEL_PREFIXES)}; keys look like {sorted(md)[:3]})")
-        self._md, self._keys = md, {}
+        self._md, self._table = md, {}
         self.shapes: dict[str, list[int]] = {}
         second = {n: first for first, names in (aliases or {}).items() for n in names if n != first}
         found_aliases: dict[str, list[str]] = {}
@@ -244,12 +244,12 @@ class DCPReader:
                     found_aliases.setdefault(second[name], [second[name]]).append(name)
                     continue
                 kind = "param" if aliases is None or name in aliases else "buffer"
-                self._keys[f"{kind}/{name}"] = fqn
+                self._table[f"{kind}/{name}"] = fqn
             elif fqn.startswith("optimizer_") and ".state." in fqn and isinstance(m, TensorStorageMetadata):
                 head, rest = fqn.split(".state.", 1)
                 oi = int(head[len("optimizer_"):])
                 name, key = rest.rsplit(".", 1)
-                self._keys[f"optim/{oi}/{name}/{key}"] = fqn
+                self._table[f"optim/{oi}/{name}/{key}"] = fqn
                 n_opt = max(n_opt, oi + 1)
         # param groups: flattened by DCP into optimizer_<i>.param_groups.<g>.<key> (or one item, unflattened)
         group_keys = [k for k in md if k.startswith("optimizer_") and ".param_groups" in k]
@@ -285,16 +285,8 @@ class DCPReader:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
             dcp.load({}, storage_reader=self._fs, planner=planner, no_dist=True)
 
-    def has(self, key: str) -> bool:
-        return key in self._keys
-
-    def keys(self, prefix: str) -> list[str]:
-        return [k[len(prefix):] for k in self._keys if k.startswith(prefix)]
-
     def read(self, key: str, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        if key not in self._keys:
-            raise CheckpointError(f"checkpoint {self.path} has no {key!r}")
-        return self._read_fqn(self._keys[key], lo, hi)
+        return self._read_fqn(self._where(key), lo, hi)
 
     def _read_fqn(self, fqn: str, lo: int, hi: Optional[int]) -> torch.Tensor:
         md = self._md[fqn]

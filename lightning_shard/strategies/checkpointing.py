@@ -8,8 +8,8 @@ as Lightning's ``ModelParallelStrategy`` writes them), which DCP's own tools and
 
 Loading accepts all three, from any strategy and world size: a full file (also one written by Lightning's
 ``DDPStrategy`` or a single device), a sharded directory, or a DCP directory (also one written by Lightning's
-``ModelParallelStrategy`` / FSDP2; the ``model.`` keys of ``FSDPStrategy(state_dict_type="sharded")`` are read too,
-untested). A plain ``Trainer`` (single device, DDP) reads sharded directories through
+``ModelParallelStrategy`` / FSDP2, or one in the layout of ``FSDPStrategy(state_dict_type="sharded")``: ``model.``
+keys). A plain ``Trainer`` (single device, DDP) reads sharded directories through
 ``Trainer(plugins=[ShardedCheckpointIO()])`` or after ``lightning-shard consolidate``.
 """
 
@@ -104,7 +104,7 @@ def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strateg
         meta.update(index=merged, world_size=C.get_world_size(), strategy=strategy_name,
                     accumulate_grad_batches=accumulate,
                     files=[rank_file(r) for r in range(C.get_world_size())],
-                    versions={"torch": torch.__version__, "lightning_shard": _version()})
+                    versions=_versions())
         commit(root, final, meta, data.name)
     C.barrier(tag="checkpoint")
 
@@ -125,8 +125,7 @@ def save_dcp(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_na
     if C.get_rank() == 0:
         rest = plain({k: v for k, v in checkpoint.items() if k not in MODEL_KEYS})
         rest[dcp.OWN_META] = {"world_size": C.get_world_size(), "accumulate_grad_batches": accumulate,
-                              "strategy": strategy_name, "versions": {"torch": str(torch.__version__),
-                                                                      "lightning_shard": _version()}}
+                              "strategy": strategy_name, "versions": _versions()}
         torch.save(rest, tmp / dcp.META_PT)
         old = final.parent / f".{final.name}.old-{suffix}"
         if final.exists():
@@ -150,10 +149,11 @@ def open_reader(path: Any, module: Any = None) -> Any:
     return Reader(path)
 
 
-def _version() -> str:
+def _versions() -> dict[str, str]:
+    """What wrote a checkpoint, recorded in it."""
     from .. import __version__
 
-    return __version__
+    return {"torch": str(torch.__version__), "lightning_shard": __version__}
 
 
 def load_for_strategy(path: Any, module: Any = None) -> tuple[dict[str, Any], Optional[Reader]]:
