@@ -113,7 +113,8 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
         if compile_wrapped:  # torch.compile's OptimizedModule in place of each block (names gain "_orig_mod.")
             for i, block in enumerate(gpt.blocks):
                 gpt.blocks[i] = torch.compile(block, backend=compile_backend)
-        for m in [] if compile_wrapped else [gpt] if compile_whole else gpt.blocks:
+        blocks = [net.enc] if isinstance(net, TorchLM) else gpt.blocks  # torch's TransformerEncoderLayer
+        for m in [] if compile_wrapped else [gpt] if compile_whole else blocks:
             m.compile(backend=compile_backend)
     if separate_setup:
         net = fabric.setup_module(net)

@@ -206,6 +206,17 @@ def test_compiled_blocks_train_like_eager(world, ref, name):
     assert (out["graph_breaks"], out["frames"]) == (0, 1), out["break_reasons"]
 
 
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp_shard"])
+def test_a_compiled_torch_encoder_layer_trains_like_eager(world, ref, name):
+    """torch's own nn.TransformerEncoderLayer (MultiheadAttention reads its out_proj's weight itself) compiled in
+    place, default knobs: zero3 makes it one unit, fsdp_shard keeps the whole model one unit (no block list)."""
+    expected, _ = ref("torch_lm", optimizer="sgd")
+    out = world.run(fs.fabric_fit, name, ACC, STEPS, model="torch_lm", optimizer="sgd",
+                    compile_backend="aot_eager")[0]
+    assert max_diff(out["state"], expected) < 1e-6
+    assert out["graph_breaks"] == 0, out["break_reasons"]
+
+
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_blocks_wrapped_by_torch_compile_train_like_eager(world, ref, name):
     """``blocks[i] = torch.compile(block)``: the OptimizedModule is the unit (zero3) or the place of the wait
