@@ -8,6 +8,9 @@ as the engine does:
 * ``reduce_scatter``: the backend's reduce-scatter of the full tensor into this rank's 1/N;
 * ``all_reduce+slice``: an in-place all-reduce of the full tensor and a copy of this rank's 1/N out of it (what the
   engine does with ``reduce_scatter_via="all_reduce"``: the copy is zero2/3's shard, freed buffer and all);
+* ``all_to_all+sum``: an all-to-all of the full tensor (rank j receives every rank's j-th 1/N) and the sum of the
+  N pieces (what the engine does with ``reduce_scatter_via="all_to_all"``: a reduce-scatter built from the
+  backend's all-to-all, (N-1)/N of the tensor per rank, as the reduce-scatter);
 * ``all_gather``: the backend's all-gather of 1/N per rank into the full tensor;
 * ``all_reduce as gather``: zeros outside this rank's 1/N, then an in-place all-reduce (not used by the engine:
   measured to show why not).
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OPS = ("reduce_scatter", "all_reduce+slice", "all_gather", "all_reduce as gather")
+OPS = ("reduce_scatter", "all_reduce+slice", "all_to_all+sum", "all_gather", "all_reduce as gather")
 
 
 def _time_size(mib: float, rank: int, world: int, device: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -53,6 +56,12 @@ def _time_size(mib: float, rank: int, world: int, device: Any, args: argparse.Na
         dist.all_reduce(x, async_op=True).wait()
         mine.copy_(x[rank * s:(rank + 1) * s])
 
+    pieces = torch.empty(numel, device=device)
+
+    def rs_a2a() -> None:
+        dist.all_to_all_single(pieces, x, async_op=True).wait()
+        torch.sum(pieces.view(world, s), dim=0, out=mine)
+
     def ag() -> None:
         dist.all_gather_into_tensor(x, mine, async_op=True).wait()
 
@@ -62,7 +71,7 @@ def _time_size(mib: float, rank: int, world: int, device: Any, args: argparse.Na
         dist.all_reduce(x, async_op=True).wait()
 
     row: dict[str, Any] = {"mib": mib, "world": world}
-    for name, fn in zip(OPS, (rs, rs_ar, ag, ag_ar)):
+    for name, fn in zip(OPS, (rs, rs_ar, rs_a2a, ag, ag_ar)):
         for _ in range(2):
             fn()
         best = float("inf")
@@ -98,14 +107,18 @@ def markdown(doc: dict) -> str:
              f"{doc['machine']}; backend {doc['backend']}, 1 thread per rank; best of {doc['repeats']} rounds of "
              f"{doc['iters']} async calls + wait, ms per call (rank 0).",
              f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s).", "",
-             "| world | MiB | reduce_scatter | all_reduce+slice | RS / (AR+slice) | all_gather | all_reduce as gather "
-             "| AG / (AR as gather) |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| world | MiB | reduce_scatter | all_reduce+slice | all_to_all+sum | RS / (AR+slice) | RS / (A2A+sum) "
+             "| all_gather | all_reduce as gather | AG / (AR as gather) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in doc["rows"]:
-        lines.append(f"| {r['world']} | {r['mib']:g} | {r['reduce_scatter']:.2f} | {r['all_reduce+slice']:.2f} | "
-                     f"{r['reduce_scatter'] / r['all_reduce+slice']:.2f} | {r['all_gather']:.2f} | "
+        rs, a2a = r["reduce_scatter"], r.get("all_to_all+sum")  # absent from rows measured before it existed
+        a2a_cells = ("-", "-") if a2a is None else (f"{a2a:.2f}", f"{rs / a2a:.2f}")
+        lines.append(f"| {r['world']} | {r['mib']:g} | {rs:.2f} | {r['all_reduce+slice']:.2f} | {a2a_cells[0]} | "
+                     f"{rs / r['all_reduce+slice']:.2f} | {a2a_cells[1]} | {r['all_gather']:.2f} | "
                      f"{r['all_reduce as gather']:.2f} | {r['all_gather'] / r['all_reduce as gather']:.2f} |")
-    lines += ["", "A ratio above 1: the all-reduce form is faster. ``reduce_scatter_via='auto'`` takes the "
-              "all-reduce form for gradient reduce-scatters on gloo only; all-gathers stay the backend's own.", ""]
+    lines += ["", "A ratio above 1: the other form is faster than the backend's own collective. "
+              "``reduce_scatter_via='auto'`` picks the gradient reduce-scatter's form per backend "
+              "(core/collectives.py); all-gathers stay the backend's own.", ""]
     return "\n".join(lines)
 
 

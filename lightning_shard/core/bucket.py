@@ -47,19 +47,24 @@ def host_buffer(numel: int, device: torch.device, dtype: torch.dtype = torch.flo
 
 class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
-                 group_index: Optional[int], *, spec: ShardSpec, rank: int, group: C.Group,
+                 param_groups: Optional[list[int]], *, spec: ShardSpec, rank: int, group: C.Group,
                  replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
-                 offload_params: bool = False, reduce_scatter_via_all_reduce: bool = False) -> None:
+                 offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter") -> None:
         self.index, self.params, self.names = index, params, names
-        self.opt_index, self.group_index = opt_index, group_index
+        # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
+        # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
+        self.opt_index = opt_index
+        self.param_groups = list(param_groups) if param_groups is not None else [0] * len(params)
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
         self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
-        # ``reduce_scatter_via="all_reduce"`` (gloo's default): the gradient reduce-scatter is an in-place all-reduce
-        # of the buffer and this rank keeps its slice (core/collectives.py: why)
-        self.rs_via_all_reduce = reduce_scatter_via_all_reduce and spec.reduce_scatters
+        # how the gradient reduce-scatter runs (core/collectives.py ``reduce_scatter_path``): the backend's own,
+        # an all-to-all and a sum of the pieces (gloo's default), or an in-place all-reduce of which this rank keeps
+        # its slice
+        self.rs_path = reduce_scatter_path
+        self.rs_via_all_reduce = reduce_scatter_path == "all_reduce" and spec.reduce_scatters
         source = params[0].dtype  # the dtype the module's parameters came in with
         # mixed-precision policy (``param_dtype``): fp32 parameters are held as fp32 masters (the rank's owned
         # elements) and computed, gathered and stored in the module in ``param_dtype``
@@ -145,7 +150,8 @@ class Bucket:
             a, e = max(slot.offset, self.own_lo) - self.own_lo, min(slot.end, self.own_hi) - self.own_lo
             if a < e:
                 self.slot_ranges[i] = (a, e)
-        self.optimizer_view = OptimizerChunks(self.shard_param, self.slot_ranges, chunk_numel, self.trainable)
+        self.optimizer_view = OptimizerChunks(self.shard_param, self.slot_ranges, chunk_numel, self.trainable,
+                                              self.param_groups)
         self.grad_buf: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
@@ -155,6 +161,7 @@ class Bucket:
         self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
+        self._pieces: Optional[torch.Tensor] = None  # the all-to-all form: every rank's piece of this rank's range
         self._work: Any = None
 
     # ------------------------------------------------------------------ sizes
@@ -299,7 +306,11 @@ class Bucket:
                     self._out = self.grad_buf[self.shard_start:self.shard_end]
                 else:
                     self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
-                self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
+                if self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
+                    self._pieces = torch.empty_like(src)
+                    self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
+                else:
+                    self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
         self._src = src
 
     def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
@@ -309,7 +320,9 @@ class Bucket:
                 C.wait(self._work, f"the gradient reduction of {self._what()}")
         out = self._out
         assert out is not None
-        self._work, self._src, self._out = None, None, None
+        if self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
+            torch.sum(self._pieces.view(self.world, -1), dim=0, out=out)
+        self._work, self._src, self._out, self._pieces = None, None, None, None
         if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]
         else:

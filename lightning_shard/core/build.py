@@ -14,11 +14,12 @@ from .plan import Owner, flat_buckets, unit_buckets
 from .unit import Unit
 from .units import UnitSpec
 
-# (index, parameters, names, owner or None) -> a Bucket with the engine's spec and groups
-MakeBucket = Callable[[int, list[nn.Parameter], list[str], Optional[Owner]], Bucket]
+# (index, parameters, names, optimizer index or None) -> a Bucket with the engine's spec and groups
+MakeBucket = Callable[[int, list[nn.Parameter], list[str], Optional[int]], Bucket]
 
 
-def build_flat(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int, make: MakeBucket) -> list[Bucket]:
+def build_flat(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
+               make: MakeBucket) -> list[Bucket]:
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
     return [make(i, ps, [names[id(p)] for p in ps], key)
             for i, (key, ps) in enumerate(flat_buckets(module, owner, bucket_bytes))]

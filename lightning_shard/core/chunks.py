@@ -5,10 +5,12 @@ parameter on its own, so a parameter that got no gradient in a step gets no mome
 Adam step (its own step count, and so its own bias correction). A flat shard has to give the same result.
 
 Chunks start large (``chunk_numel`` elements, several parameters each: few tensors, so a CPU optimizer step
-stays fast and in cache) and are split at parameter boundaries the first time the parameters they hold are
-treated differently: when some got a gradient in a window and others did not (:meth:`leave_out`), or when a
-checkpoint gives them different step counts (:meth:`set_slot_state`). The invariant: all parameters (slots)
-of a chunk have the same history, so a chunk's state is exactly each of its parameters' torch state, sliced.
+stays fast and in cache), cut where the bucket's param groups change (a bucket holds every group of its
+optimizer, each group one contiguous run), and are split at parameter boundaries the first time the parameters
+they hold are treated differently: when some got a gradient in a window and others did not (:meth:`leave_out`),
+or when a checkpoint gives them different step counts (:meth:`set_slot_state`). The invariant: all parameters
+(slots) of a chunk belong to one param group and have the same history, so a chunk's state is exactly each of its
+parameters' torch state, sliced, and its hyperparameters are its group's.
 """
 
 from __future__ import annotations
@@ -27,15 +29,25 @@ def elementwise(value: Any, numel: int) -> bool:
 
 class OptimizerChunks:
     def __init__(self, shard: torch.Tensor, slot_ranges: dict[int, tuple[int, int]], chunk_numel: int,
-                 trainable: bool) -> None:
+                 trainable: bool, slot_groups: Optional[list[int]] = None) -> None:
         """``shard``: the owned elements (the tensor the optimizer updates, through views); ``slot_ranges``:
-        slot index -> the slot's piece in shard coordinates, in order."""
+        slot index -> the slot's piece in shard coordinates, in order; ``slot_groups``: each slot's param group
+        (None: all in group 0)."""
         self.shard, self.slot_ranges, self.trainable = shard, slot_ranges, trainable
+        self.slot_groups = slot_groups
         self._slots = sorted(slot_ranges)
         self._starts = [slot_ranges[s][0] for s in self._slots]
         n, step = shard.numel(), max(1, chunk_numel)
         self.ranges: list[tuple[int, int]] = [(i, min(i + step, n)) for i in range(0, n, step)]
         self.chunks: list[nn.Parameter] = [self._view(i, j) for i, j in self.ranges]
+        if slot_groups is not None:
+            self._split(lambda s: slot_groups[s], {})
+
+    def grouped(self) -> list[tuple[int, nn.Parameter]]:
+        """``(param group, chunk)`` for every chunk, in order: what the optimizer's param groups hold."""
+        if self.slot_groups is None:
+            return [(0, c) for c in self.chunks]
+        return [(self.slot_groups[self.slots_in(i, j)[0]], c) for c, (i, j) in zip(self.chunks, self.ranges)]
 
     def _view(self, i: int, j: int) -> nn.Parameter:
         return nn.Parameter(self.shard.data[i:j], requires_grad=self.trainable)

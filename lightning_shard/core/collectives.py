@@ -38,6 +38,7 @@ __all__ = [
     "all_gather",
     "all_gather_object",
     "all_reduce",
+    "all_to_all",
     "backend",
     "barrier",
     "broadcast",
@@ -69,7 +70,7 @@ def _ag_impl(*args: Any, **kwargs: Any) -> Any:
 class LedgerEntry:
     """One collective call as seen by this rank."""
 
-    op: str  # "all_reduce" | "reduce_scatter" | "all_gather" | "broadcast" | "all_gather_object" | ... | "barrier"
+    op: str  # "all_reduce" | "reduce_scatter" | "all_to_all" | "all_gather" | "broadcast" | ... | "barrier"
     group: str  # "world" or the name given to :func:`new_group`
     world: int  # ranks in the group
     bytes: int  # bytes of the full (unsharded) tensor the collective is about
@@ -83,7 +84,7 @@ def ring_wire_bytes(op: str, nbytes: int, world: int) -> float:
     """Bytes per rank of a ring collective over ``world`` ranks (nccl-tests busbw factors)."""
     if world <= 1:
         return 0.0
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return nbytes * (world - 1) / world
     if op == "all_reduce":
         return 2.0 * nbytes * (world - 1) / world
@@ -189,22 +190,28 @@ def backend(group: Group = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else ""
 
 
-REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_reduce")
+REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
 
 
-def reduce_scatter_via_all_reduce(choice: str, group: Group = None) -> bool:
-    """Whether the engine's gradient reduce-scatters on ``group`` run as an in-place all-reduce of the bucket (each
-    rank keeping its range): ``choice`` ``"all_reduce"``, or ``"auto"`` on gloo. Gloo's all-reduce plus the copy of
-    this rank's slice beats its reduce-scatter of the same tensor 1.3-1.8x at 8-32 MiB (the bucket sizes) on 2 and 4
-    CPU ranks, torch 2.13 (``bench/bench_collectives.py``, ``bench/results/collectives.md``; of the smaller sizes only
-    world 4 x 2 MiB went the other way, 0.88x) although it moves twice the bytes; NCCL's reduce-scatter is the fast
-    one, so ``"auto"`` keeps it everywhere but gloo. The sums are the same (for more than two ranks up to the
-    order of floating-point additions); the ledger records the all-reduce and its bytes."""
+def reduce_scatter_path(choice: str, group: Group = None) -> str:
+    """The collective the engine's gradient reduce-scatters on ``group`` run as:
+
+    * ``"reduce_scatter"``: the backend's own; ``"auto"`` everywhere but gloo (NCCL's is the fast one);
+    * ``"all_to_all"``: an all-to-all of the bucket (rank j receives every rank's j-th 1/N) and the sum of the N
+      pieces; ``"auto"`` on gloo, where it is 1.7-3x faster than gloo's reduce-scatter and 1.3-2x faster than an
+      all-reduce of the bucket, at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch 2.13 (``bench/bench_collectives.py``,
+      ``bench/results/collectives.md``), and moves the reduce-scatter's (N-1)/N of the bucket per rank; it costs a
+      second full-size buffer (the pieces) while the reduction is in flight;
+    * ``"all_reduce"``: an in-place all-reduce of the bucket, each rank keeping its range (twice the bytes; the
+      default on gloo before the all-to-all form was measured).
+
+    The sums are the same up to the order of floating-point additions; the ledger records the collective that
+    runs and its bytes."""
     if choice not in REDUCE_SCATTER_VIA:
         raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got {choice!r}")
     if choice == "auto":
-        return backend(group) == "gloo"
-    return choice == "all_reduce"
+        return "all_to_all" if backend(group) == "gloo" else "reduce_scatter"
+    return choice
 
 
 def group_name(group: Group) -> str:
@@ -284,6 +291,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
     """Sum ``input`` (the full padded buffer) over ranks; this rank receives its contiguous slice in ``output``."""
     LEDGER.record("reduce_scatter", group, input, tag)
     return _rs_impl(output, input, group=group, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False,
+               tag: str = ""):
+    """Rank j receives every rank's j-th 1/N of ``input``, in rank order, into ``output`` (same size)."""
+    LEDGER.record("all_to_all", group, input, tag)
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False, tag: str = ""):

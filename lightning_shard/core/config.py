@@ -15,6 +15,13 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 
+# zero3: a unit holds at least this many MiB of parameters, or joins the unit enclosing it (``min_unit_mb``,
+# core/units.py). A collective has a fixed cost besides its bytes: tens of microseconds on NCCL (nccl-tests'
+# small-message latency), ~0.1-1 ms on gloo over loopback plus a Python hook and a thread hand-off
+# (bench/results/unit_merge.md). Below ~1 MiB that fixed cost is most of a unit's gather on either.
+MIN_UNIT_MB = 1.0
+
+
 @dataclass
 class UnitConfig:
     """Stage 3 only: how parameters are grouped into units and when they are gathered."""
@@ -25,6 +32,7 @@ class UnitConfig:
     reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
     prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
     leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
+    min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them (core/units.py)
 
 
 def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:

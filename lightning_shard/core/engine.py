@@ -72,7 +72,7 @@ class ShardEngine:
         self.param_dtype = parse_param_dtype(param_dtype)
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_params = bool(offload_params)
-        self.rs_via_all_reduce = C.reduce_scatter_via_all_reduce(reduce_scatter_via, group)
+        self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
         first = next(module.parameters(), None)
         if self.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
@@ -101,7 +101,7 @@ class ShardEngine:
             sync_module_states(self.module, None)
         elif not self.spec.shards_params:
             raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
-        owner = self._param_owners()
+        owner = self._owner = self._param_owners()
         if self.param_dtype is not None:
             mixed.check_module(module, owner, self.spec.shards_params, self.param_dtype)
         self.controller: Optional[ParamShardController] = None
@@ -112,7 +112,7 @@ class ShardEngine:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
                                numel=deferred.numel if deferred is not None else (lambda p: p.numel()),
-                               leaf_modules=cfg.leaf_modules)
+                               leaf_modules=cfg.leaf_modules, min_unit_bytes=cfg.min_unit_mb * 2**20)
             self.plan_summary = describe_plan(specs, cfg.granularity)
             health.agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
             # parameter gathers get a process group of their own: ranks that run different modules issue them
@@ -162,12 +162,13 @@ class ShardEngine:
                              "Check requires_grad and the parameters passed to the optimizer.")
         return owner
 
-    def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], key: Optional[Owner]) -> Bucket:
-        return Bucket(index, params, names, key[0] if key else None, key[1] if key else None, spec=self.spec,
+    def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int]) -> Bucket:
+        groups = None if opt_index is None else [self._owner[id(p)][1] for p in params]
+        return Bucket(index, params, names, opt_index, groups, spec=self.spec,
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
                       offload=self.offload_optimizer, offload_params=self.offload_params,
-                      reduce_scatter_via_all_reduce=self.rs_via_all_reduce)
+                      reduce_scatter_path=self.rs_path)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

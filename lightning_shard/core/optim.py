@@ -63,7 +63,7 @@ class OptimizerBinding:
     def rebind(self, buckets: list[Bucket]) -> None:
         self.buckets = [b for b in buckets if b.opt_index == self.index]
         for gi, group in enumerate(self.optimizer.param_groups):
-            group["params"] = [c for b in self.buckets if b.group_index == gi for c in b.chunks]
+            group["params"] = [c for b in self.buckets for g, c in b.optimizer_view.grouped() if g == gi]
 
     def orig_index(self) -> dict[int, int]:
         """``id(param) -> index`` in torch's state_dict numbering."""

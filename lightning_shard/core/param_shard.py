@@ -41,7 +41,7 @@ from .param_shard_backward import BackwardSchedule
 from .param_shard_forward import ForwardHooks
 from .state import AccumulationPolicy, ParamState, eager
 from .sync import GradSync
-from .unit import ControllerState, Unit, _Pass, merge_orders
+from .unit import ControllerState, Unit, _Pass, completion_order, merge_orders
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         self.plan = [u.index for u in units if u.module is not None]
         self.fwd_order: list[int] = []
         self._backward_plan: set[int] = set()  # units before the first trainable one that need a backward
+        self._module_pos = {name: k for k, (name, _) in enumerate(module.named_modules())}
         self._set_schedule(self.plan)
         self._recording = True  # the first pass with gradients records the forward order
         self._seen: list[int] = []
@@ -101,11 +102,29 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         self._fpos = {u: k for k, u in enumerate(self.fwd_order)}
         first = next((k for k, i in enumerate(self.fwd_order) if any(x.trainable for x in self.units[i].group)),
                      len(self.fwd_order))
-        # frozen units before the first trainable one need no backward (their inputs need no gradient), unless
-        # the first backward showed otherwise (e.g. inputs that require grad)
-        self.bwd_order = [i for k, i in reversed(list(enumerate(self.fwd_order)))
-                          if k >= first or i in self._backward_plan]
+        # backward runs the forwards' *ends* in reverse: a unit enclosing others (a block holding its small layers,
+        # core/units.py) starts before them and ends after them, so its backward comes first
+        done = completion_order(self.fwd_order, {u.index: u.name for u in self.units})
+        dpos = {u: k for k, u in enumerate(done)}
+        last_needed = dpos[self.fwd_order[first]] if first < len(self.fwd_order) else len(done)
+        # frozen units that end before the first trainable one starts need no backward (their inputs need no
+        # gradient), unless the first backward showed otherwise (e.g. inputs that require grad); nor do the frozen
+        # units inside that first trainable unit registered before the module of its first trainable parameter
+        # (a LoRA block merged into one unit with its adapters: the frozen base before them)
+        early = self._frozen_before_first_trainable(self.units[self.fwd_order[first]]) \
+            if first < len(self.fwd_order) else set()
+        self.bwd_order = [i for i in reversed(done) if i in self._backward_plan or (
+            (self._fpos[i] >= first or dpos[i] > last_needed) and i not in early)]
         self._bpos = {u: k for k, u in enumerate(self.bwd_order)}
+
+    def _frozen_before_first_trainable(self, first: Unit) -> set[int]:
+        pos = self._module_pos
+        trainable = [n.rsplit(".", 1)[0] if "." in n else "" for u in first.group for b in u.trainable
+                     for n in b.names]
+        start = min((pos.get(m, len(pos)) for m in trainable), default=len(pos))
+        inside = first.name + "."
+        return {i for i in self.fwd_order if self.units[i].name.startswith(inside)
+                and not any(x.trainable for x in self.units[i].group) and pos.get(self.units[i].name, 0) < start}
 
     # ------------------------------------------------------------------ bookkeeping
     def _event(self, what: str, unit: Unit) -> None:

@@ -5,11 +5,17 @@ them without building an engine: one set of rules, so the planner's bytes are th
 communicates or copies; parameters may live on the meta device (only identities, shapes and dtypes are read).
 
 * stages 0-2: trainable parameters that an optimizer holds, in REVERSE registration order (roughly the order
-  backward produces gradients, as DDP), fill one open bucket per (optimizer, param group, dtype, device); a
-  bucket closes once its bytes reach ``bucket_bytes`` or once ``bucket_bytes`` of the model have been walked since
-  it opened; buckets are ordered by where they complete (:func:`flat_buckets`).
-* stage 3: inside each unit, one bucket per (optimizer and param group, or frozen; dtype; device) in first-seen
-  order. The engine orders the buckets in reverse unit order (the reduction launch order).
+  backward produces gradients, as DDP), fill one open bucket per (optimizer, dtype, device); a bucket closes once
+  its bytes reach ``bucket_bytes`` or once ``bucket_bytes`` of the model have been walked since it opened; buckets
+  are ordered by where they complete (:func:`flat_buckets`).
+* stage 3: inside each unit, one bucket per (optimizer, or frozen; dtype; device) in first-seen order. The engine
+  orders the buckets in reverse unit order (the reduction launch order).
+
+A bucket holds the parameters of every param group of its optimizer (a weight-decay group and a no-decay group
+share it, as in DDP's buckets): one collective per bucket, not one per group. Inside a bucket the parameters are
+ordered by param group (stable), so each group is one contiguous run of the flat buffer and the optimizer's views
+(:mod:`.chunks`) are cut once per group, not once per parameter. Each bucket is returned with the optimizer that
+owns it; each parameter's param group is ``owner[id(p)][1]``.
 """
 
 from __future__ import annotations
@@ -54,26 +60,31 @@ def bucketed_trainable(module: nn.Module, owner: dict[int, Owner]) -> list[nn.Pa
     return [p for p in module.parameters() if p.requires_grad and id(p) in owner]
 
 
+def by_group(params: Sequence[nn.Parameter], owner: dict[int, Owner]) -> list[nn.Parameter]:
+    """``params`` ordered by param group, stable: each group one contiguous run of the bucket."""
+    return sorted(params, key=lambda p: owner[id(p)][1] if id(p) in owner else -1)
+
+
 def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
-                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[Owner, list[nn.Parameter]]]:
-    """Stages 0-2: the buckets in launch order, each ``(owner, parameters)``.
+                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[int, list[nn.Parameter]]]:
+    """Stages 0-2: the buckets in launch order, each ``(optimizer index, parameters)``.
 
     Walking the parameters in reverse registration order (about the order backward produces their gradients), a
     bucket closes when its own bytes reach ``bucket_bytes`` **or** when ``bucket_bytes`` of parameters (of any
-    group) have been walked since it opened: so a param group spread thinly over the whole model (the biases and
-    norms of a no-weight-decay group) is cut into buckets that fill as backward goes, instead of one bucket that
-    is complete only at the end of backward. Buckets are returned in the order they complete in that walk (the
+    optimizer or dtype) have been walked since it opened: so parameters spread thinly over the whole model (a
+    second optimizer's, or another dtype's) are cut into buckets that fill as backward goes, instead of one bucket
+    that is complete only at the end of backward. Buckets are returned in the order they complete in that walk (the
     position of their last parameter), which is the order they are launched in: a bucket never waits for one that
-    completes later."""
+    completes later. Inside a bucket the parameters are ordered by param group (:func:`by_group`)."""
     params: dict[tuple, list[nn.Parameter]] = {}  # the open buckets
     opened: dict[tuple, int] = {}  # bytes walked when each opened
     last: dict[tuple, int] = {}  # walk position of its last parameter
     sizes: dict[tuple, int] = {}
-    done: list[tuple[int, Owner, list[nn.Parameter]]] = []  # (position of the last parameter, owner, params)
+    done: list[tuple[int, int, list[nn.Parameter]]] = []  # (position of the last parameter, optimizer, params)
     walked = 0
     for pos, p in enumerate(reversed(bucketed_trainable(module, owner))):
         dtype = dtype_of(p)
-        key = (*owner[id(p)], dtype, p.device)
+        key = (owner[id(p)][0], dtype, p.device)
         if key not in params:
             params[key], opened[key], sizes[key] = [], walked, 0
         params[key].append(p)
@@ -81,15 +92,18 @@ def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
         sizes[key] += p.numel() * dtype.itemsize
         walked += p.numel() * dtype.itemsize
         for k in [k for k in params if sizes[k] >= bucket_bytes or walked - opened[k] >= bucket_bytes]:
-            done.append((last[k], owner[id(params[k][0])], params.pop(k)))
-    done += [(last[k], owner[id(ps[0])], ps) for k, ps in params.items()]
-    return [(o, ps) for _, o, ps in sorted(done, key=lambda d: d[0])]
+            done.append((last[k], k[0], params.pop(k)))
+    done += [(last[k], k[0], ps) for k, ps in params.items()]
+    return [(oi, by_group(ps, owner)) for _, oi, ps in sorted(done, key=lambda d: d[0])]
 
 
 def unit_buckets(spec: UnitSpec, owner: dict[int, Owner],
-                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[Optional[Owner], list[int]]]:
-    """Stage 3: the buckets of one unit, each ``(owner or None for frozen, indices into spec.params)``."""
+                 dtype_of: DtypeOf = _own_dtype) -> list[tuple[Optional[int], list[int]]]:
+    """Stage 3: the buckets of one unit, each ``(optimizer index, or None for frozen parameters; indices into
+    spec.params)``, the indices ordered by param group (:func:`by_group`)."""
     keyed: dict[tuple, list[int]] = {}
     for i, p in enumerate(spec.params):
-        keyed.setdefault((owner.get(id(p)) if p.requires_grad else None, dtype_of(p), p.device), []).append(i)
-    return [(key[0], idx) for key, idx in keyed.items()]
+        oi = owner[id(p)][0] if p.requires_grad and id(p) in owner else None
+        keyed.setdefault((oi, dtype_of(p), p.device), []).append(i)
+    group = lambda i: owner[id(spec.params[i])][1] if id(spec.params[i]) in owner else -1  # noqa: E731
+    return [(key[0], sorted(idx, key=group)) for key, idx in keyed.items()]

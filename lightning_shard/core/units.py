@@ -1,6 +1,9 @@
 """Shard units for ZeRO-3 and FSDP-style sharding: which parameters are gathered together.
 
-* ``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity).
+* ``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity), except that a module
+  whose unit would hold fewer than ``min_unit_bytes`` joins the unit of the module enclosing it
+  (:func:`small_units_merged`): each unit costs an all-gather in forward, one in backward and a reduction, each
+  with a fixed cost (latency, a hook, a thread hand-off) that a small unit's bytes do not pay back.
 * ``fsdp``: modules chosen by a wrap policy (module classes, or a minimum parameter count) are units; each
   owns the parameters of its subtree not owned by a nested unit. ``wrap_classes="auto"`` takes the classes of
   the blocks held in ``nn.ModuleList``s; a model without any is one unit (the root), as Lightning's FSDP
@@ -85,6 +88,22 @@ def _holds_blocks(module: nn.Module) -> bool:
     return any(isinstance(m, nn.ModuleList) and any(True for _ in m.parameters()) for m in module.modules())
 
 
+def _holder_bytes(root: nn.Module, readers: dict[int, set[str]],
+                  numel: Callable[[nn.Parameter], int]) -> dict[str, int]:
+    """Parameter bytes per module FQN: what it holds directly, a parameter read by a parent's code counted at the
+    (first) reader; each tensor once."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for full_name, p in root.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        holder = sorted(readers[id(p)])[0] if id(p) in readers else (full_name.rsplit(".", 1)[0]
+                                                                     if "." in full_name else "")
+        out[holder] = out.get(holder, 0) + numel(p) * p.element_size()
+    return out
+
+
 def _named(root: nn.Module, spec) -> set[str]:
     """Names of the modules matching ``spec``: classes, class names, or module FQNs."""
     items = _classes(spec)
@@ -106,9 +125,44 @@ def describe_plan(specs: list["UnitSpec"], granularity: str) -> str:
     return f"{granularity} units: {kinds}{held}"
 
 
+MERGE_FRACTION = 64  # zero3 merging stops at 1/64 of the model's parameter bytes: a small model keeps its units
+
+
+def small_units_merged(modules: dict[str, nn.Module], leaves: set[str], holder_bytes: dict[str, int],
+                       min_unit_bytes: float) -> list[str]:
+    """zero3: the modules that are units when a unit must hold at least ``min_unit_bytes`` (already bounded by the
+    model's size, see :data:`MERGE_FRACTION`).
+
+    Bottom-up over the module tree: a module's unit would hold its own parameters (``holder_bytes``: what it holds
+    directly or reads itself) plus those of the modules below it that are not units. A module becomes a unit when
+    that reaches ``min_unit_bytes``; otherwise it passes them up to its parent (a block then holds its layer norms
+    and small projections, gathered in the block's forward). Containers (``nn.ModuleList`` ...) have no forward to
+    hook: they always pass up. What reaches the root goes to the root unit, gathered around the step. Leaves
+    (``leaf_modules``, compiled modules) stay units of their whole subtree, whatever their size."""
+    below: dict[str, int] = {}  # bytes passed up from non-unit children
+    units: list[str] = []
+    for name in reversed(list(modules)):  # pre-order reversed: every module after all of its descendants
+        if not name:
+            continue
+        inside_leaf = any(name != leaf and name.startswith(leaf + ".") for leaf in leaves)
+        if inside_leaf:
+            continue
+        total = holder_bytes.get(name, 0) + below.get(name, 0)
+        is_container = isinstance(modules[name], CONTAINERS)
+        if name in leaves or (not is_container and total > 0 and total >= min_unit_bytes):
+            units.append(name)
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        below[parent] = below.get(parent, 0) + total
+    return units
+
+
 def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params: Optional[int] = None,
-               numel: Callable[[nn.Parameter], int] = lambda p: p.numel(), leaf_modules=None) -> list[UnitSpec]:
-    """Units in forward-ish (registration) order, the root unit first if it holds anything."""
+               numel: Callable[[nn.Parameter], int] = lambda p: p.numel(), leaf_modules=None,
+               min_unit_bytes: float = 0) -> list[UnitSpec]:
+    """Units in forward-ish (registration) order, the root unit first if it holds anything. ``min_unit_bytes``
+    (zero3): a unit holds at least min(this, the model's parameter bytes / :data:`MERGE_FRACTION`); smaller
+    modules join the unit of a module enclosing them (:func:`small_units_merged`); 0: one unit per module."""
     auto = wrap_classes == "auto"
     classes = auto_wrap_classes(root) if auto else _classes(wrap_classes)
     if granularity not in ("zero3", "fsdp"):
@@ -138,6 +192,10 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
         reading = {r for rs in readers.values() for r in rs}
         unit_names = [n for n, m in modules.items() if n and not isinstance(m, CONTAINERS) and
                       (any(True for _ in m.parameters(recurse=False)) or n in reading)]
+        if min_unit_bytes > 0:
+            sizes = _holder_bytes(root, readers, numel)
+            bound = min(float(min_unit_bytes), sum(sizes.values()) / MERGE_FRACTION)
+            unit_names = small_units_merged(modules, leaves, sizes, bound)
     else:
         unit_names = []
         for n, m in modules.items():

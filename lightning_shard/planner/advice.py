@@ -36,7 +36,7 @@ CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2S
 # keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
 # which the planner may not import; tests/config/test_knob_list.py checks it)
 CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 1,
-                  "wrap_classes": "auto", "min_params": None, "shard_size": None, "topology": None}
+                  "wrap_classes": "auto", "min_params": None, "min_unit_mb": 1.0, "shard_size": None, "topology": None}
 _MISSING = object()
 
 

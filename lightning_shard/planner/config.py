@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..core.config import MIN_UNIT_MB
+
 PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
     "32-true": (torch.float32, 4, False),
     "bf16-mixed": (torch.float32, 2, False),
@@ -45,6 +47,7 @@ class StrategyConfig:
     shard_size: Optional[int] = None  # hybrid: ranks per shard group (None: shard over the world)
     wrap_classes: Any = None  # fsdp_shard
     min_params: Optional[int] = None
+    min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them
     bucket_mb: float = 25.0
     prefetch_depth: int = 1
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
@@ -52,7 +55,8 @@ class StrategyConfig:
     offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
     offload_params: bool = False  # stage 3, with offload_optimizer: the parameter shards in host memory too
     # how zero1-3 reduce-scatter gradients: "reduce_scatter" (what ``reduce_scatter_via="auto"`` is on NCCL, the
-    # accelerators planned for) or "all_reduce" (what it is on gloo: the bucket all-reduced, twice the bytes)
+    # accelerators planned for), "all_to_all" (what it is on gloo: the reduce-scatter's bytes, a second full-size
+    # buffer in flight) or "all_reduce" (the bucket all-reduced, twice the bytes)
     reduce_scatter_via: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
@@ -67,9 +71,9 @@ class StrategyConfig:
                              f"{self.stage}): use one of {POLICIES[self.stage]}{hint}")
         if self.offload_params and not (self.stage == 3 and self.offload_optimizer):
             raise ValueError("offload_params needs stage 3 and offload_optimizer=True")
-        if self.reduce_scatter_via not in ("reduce_scatter", "all_reduce"):
-            raise ValueError(f"reduce_scatter_via must be 'reduce_scatter' or 'all_reduce' (the planner plans one "
-                             f"backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
+        if self.reduce_scatter_via not in ("reduce_scatter", "all_reduce", "all_to_all"):
+            raise ValueError(f"reduce_scatter_via must be 'reduce_scatter', 'all_reduce' or 'all_to_all' (the planner "
+                             f"plans one backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
@@ -101,6 +105,8 @@ class StrategyConfig:
         else:
             out["reshard_after_forward"] = self.reshard_after_forward
             out["prefetch_depth"] = self.prefetch_depth
+        if self.strategy == "zero3" and self.min_unit_mb != MIN_UNIT_MB:
+            out["min_unit_mb"] = self.min_unit_mb
         if self.strategy.startswith("fsdp"):
             out["wrap_classes"] = self.wrap_classes if self.wrap_classes is not None else "auto"
             if self.min_params is not None:

@@ -79,7 +79,7 @@ def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
     shard = cfg.shard_size or job.world
     layout = plan_layout(ctx.module, ctx.groups, cfg.stage, shard, cfg.bucket_mb, cfg.granularity,
                          cfg.wrap_classes if cfg.wrap_classes is not None else "auto", cfg.min_params,
-                         param_dtype=job.param_dtype)
+                         param_dtype=job.param_dtype, min_unit_mb=cfg.min_unit_mb)
     colls = step_collectives(layout, cfg, job, ctx.buffers, num_optimizers=len(ctx.groups))
     rings = ctx.placement.groups(cfg.shard_size)
     memory = peak_bytes(layout, cfg, job, int(ctx.activations))
@@ -110,11 +110,11 @@ def island_shard_size(placement: JobPlacement) -> Optional[int]:
 
 def candidates(module: nn.Module, placement: JobPlacement, accumulation: int) -> list[StrategyConfig]:
     """Every registered strategy with each accumulation policy that differs at this accumulation count. On CPU
-    devices (gloo) the rows reduce-scatter as the engine does there (``reduce_scatter_via="auto"``: an all-reduce
-    of each bucket)."""
+    devices (gloo) the rows reduce-scatter as the engine does there (``reduce_scatter_via="auto"``: an all-to-all
+    of each bucket and a sum of the pieces)."""
     rows = _candidates(module, placement, accumulation)
     if placement.devices and all(placement.topology.devices[d].kind == "cpu" for d in placement.devices):
-        rows = [r if r.stage == 0 else r.with_(reduce_scatter_via="all_reduce") for r in rows]
+        rows = [r if r.stage == 0 else r.with_(reduce_scatter_via="all_to_all") for r in rows]
     return rows
 
 

@@ -14,8 +14,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..core.config import MIN_UNIT_MB
 from ..core.flat import build_layout
-from ..core.plan import OptimizerGroups, Owner, bucketed_trainable, flat_buckets, param_owners, unit_buckets
+from ..core.plan import OptimizerGroups, bucketed_trainable, flat_buckets, param_owners, unit_buckets
 from ..core.units import plan_units
 
 __all__ = ["OptimizerGroups", "PlannedBucket", "PlannedLayout", "PlannedUnit", "default_groups", "groups_of",
@@ -30,8 +31,7 @@ class PlannedBucket:
     num_shards: int
     dtype: torch.dtype
     trainable: bool  # held by an optimizer (stage 3 also shards frozen parameters)
-    opt_index: Optional[int]
-    group_index: Optional[int]
+    opt_index: Optional[int]  # the optimizer (all of its param groups share the bucket); None: frozen
     num_params: int
     unit: Optional[int] = None  # stage 3: index of its unit in plan order
 
@@ -99,7 +99,8 @@ def groups_of(optimizers: Any) -> list[list[list[nn.Parameter]]]:
 
 def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int, shard_world: int,
                 bucket_mb: float = 25.0, granularity: str = "zero3", wrap_classes: Any = None,
-                min_params: Optional[int] = None, param_dtype: Optional[torch.dtype] = None) -> PlannedLayout:
+                min_params: Optional[int] = None, param_dtype: Optional[torch.dtype] = None,
+                min_unit_mb: float = MIN_UNIT_MB) -> PlannedLayout:
     """The buckets (and units) the engine would build for ``module`` on a shard group of ``shard_world`` ranks.
 
     ``param_dtype``: the dtype floating parameters will have after the precision plugin converts the module
@@ -111,14 +112,14 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
     def dtype_of(p: nn.Parameter) -> torch.dtype:
         return param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
 
-    def make(index: int, params: list[nn.Parameter], key: Optional[Owner], unit: Optional[int],
+    def make(index: int, params: list[nn.Parameter], opt_index: Optional[int], unit: Optional[int],
              num_shards: int) -> PlannedBucket:
         layout = build_layout([("", tuple(p.shape)) for p in params], num_shards)
         return PlannedBucket(index, layout.numel, layout.padded_numel, num_shards, dtype_of(params[0]),
-                             key is not None, key[0] if key else None, key[1] if key else None, len(params), unit)
+                             opt_index is not None, opt_index, len(params), unit)
 
     if stage == 3:
-        specs = plan_units(module, granularity, wrap_classes, min_params)
+        specs = plan_units(module, granularity, wrap_classes, min_params, min_unit_bytes=min_unit_mb * 2**20)
         units = [PlannedUnit(ui, spec.name, spec.module is None) for ui, spec in enumerate(specs)]
         buckets: list[PlannedBucket] = []
         for ui in reversed(range(len(specs))):  # the engine's launch order: reverse unit order

@@ -21,8 +21,10 @@ them):
 * the end of backward: full gradient buffers (stages 0/1 for the whole backward; stage 2 allocates a bucket's buffer
   at its first gradient and frees it once its reduce-scatter is done, so a communicating backward holds at most
   ``IN_FLIGHT + 1`` buckets, while an accumulating ``defer`` window holds them all; stage 3 keeps every unit's until
-  ``post_backward``), fp32 copies of half gradients and reduce-scatter outputs in flight, gathered stage-3 units
-  (root + the largest unit x (1 + prefetch depth), or every unit when parameters are kept);
+  ``post_backward``), fp32 copies of half gradients and reduce-scatter outputs in flight (with the all-to-all form
+  of the reduce-scatter, gloo's default, the pieces too: a full-size buffer per reduction in flight), gathered
+  stage-3 units (root and units enclosing others + the largest unit x (1 + prefetch depth), or every unit when
+  parameters are kept);
 * the optimizer step: the gradients it reads (and stages 0/1's full buffers), the accumulators, and the update's
   temporaries: torch's for-loop Adam(W) (the CPU default) allocates two tensors of one optimizer chunk
   (``OPTIM_CHUNK_BYTES``, the strategies' ``optim_chunk_mb``: sqrt of the second moment and its quotient by the bias
@@ -130,9 +132,12 @@ def gathered_bytes(layout: PlannedLayout, cfg: StrategyConfig) -> int:
     full = [u.full_bytes for u in layout.units]
     if cfg.policy == "keep_params" or not cfg.reshard_after_forward:
         return sum(full)  # every unit stays gathered from its forward to its backward (or the whole window)
-    root = sum(u.full_bytes for u in layout.units if u.is_root)
-    rest = sorted((u.full_bytes for u in layout.units if not u.is_root), reverse=True)
-    return root + sum(rest[: 1 + cfg.prefetch_depth])  # root + current unit + prefetched units
+    names = [u.name for u in layout.units if not u.is_root]
+    # the root, and units enclosing others (zero3 merges small modules into an enclosing module's unit): gathered
+    # while the units inside them run
+    held = [u for u in layout.units if u.is_root or any(n.startswith(u.name + ".") for n in names)]
+    rest = sorted((u.full_bytes for u in layout.units if u not in held), reverse=True)
+    return sum(u.full_bytes for u in held) + sum(rest[: 1 + cfg.prefetch_depth])  # + current unit + prefetched
 
 
 OPTIM_CHUNK_BYTES = 4 * 2**20  # the strategies' optim_chunk_mb default: the optimizer steps the shard in views of it
@@ -166,6 +171,8 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
         rd = _reduce_dtype(cfg, b)
         extra = (b.padded_numel * _SIZE[rd] if rd != b.dtype else 0) + \
             (b.shard_numel * _SIZE[rd] if layout.stage >= 2 or (layout.stage == 1 and rd != b.dtype) else 0)
+        if layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":  # every rank's pieces of this rank's range
+            extra += b.padded_numel * _SIZE[rd]
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)
     gathered = gathered_bytes(layout, cfg)

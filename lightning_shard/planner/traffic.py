@@ -93,7 +93,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
         if boundary or cfg.per_micro_batch:
             for b in layout.trainable:
                 rd = _reduce_dtype(cfg, b.dtype)
-                op = "all_reduce" if layout.stage == 0 or cfg.reduce_scatter_via == "all_reduce" else "reduce_scatter"
+                op = "all_reduce" if layout.stage == 0 else cfg.reduce_scatter_via
                 out.append(Collective(op, gname, S, b.padded_numel * _ITEMSIZE[rd], "grad", "backward", m))
         if boundary and hybrid:
             for b in layout.trainable:

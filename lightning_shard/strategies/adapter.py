@@ -142,7 +142,8 @@ class EngineAdapter:
         if granularity is None:
             return None
         cfg = UnitConfig(granularity, reshard_after_forward=self.reshard_after_forward,
-                         prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules)
+                         prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules,
+                         min_unit_mb=self.min_unit_mb)
         if granularity == "fsdp":  # the wrap policy (FSDPConfig's knobs)
             wrap = self.wrap_classes
             cfg.wrap_classes = list(wrap) if isinstance(wrap, (list, tuple)) else wrap

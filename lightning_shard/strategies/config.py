@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from ..core.activation import validate_spec
-from ..core.config import parse_param_dtype, parse_reduce_dtype
+from ..core.config import MIN_UNIT_MB, parse_param_dtype, parse_reduce_dtype
 from .layout import validate_shard_size
 
 
@@ -71,11 +71,13 @@ class ZeroConfig:
         parameters (4 / N); costs two copies of the shard per step and a CPU optimizer step. (On a CPU-only machine
         host memory is the only memory: the same code runs, with nothing saved.)""")
     reduce_scatter_via: str = knob("auto", """How zero1-3 reduce-scatter a gradient bucket: ``"reduce_scatter"`` (the
-        backend's own collective: (N-1)/N of the bucket's bytes per rank), ``"all_reduce"`` (an in-place all-reduce of
-        the bucket, of which each rank keeps its range: the same sums, twice the bytes on the wire, as the ledger
-        records), ``"auto"``: ``all_reduce`` on gloo, whose all-reduce and slice beat its reduce-scatter 1.3-1.8x at
-        bucket sizes 8-32 MiB on 2 and 4 ranks (bench/results/collectives.md), ``reduce_scatter`` on every other
-        backend (NCCL).""", choices=("auto", "reduce_scatter", "all_reduce"))
+        backend's own collective: (N-1)/N of the bucket's bytes per rank), ``"all_to_all"`` (an all-to-all of the
+        bucket, rank j receiving every rank's j-th 1/N, and a sum of the N pieces: the same bytes, plus a second
+        full-size buffer while in flight), ``"all_reduce"`` (an in-place all-reduce of the bucket, of which each rank
+        keeps its range: the same sums, twice the bytes), ``"auto"``: ``all_to_all`` on gloo, where it beats gloo's
+        reduce-scatter 1.7-3x and the all-reduce 1.3-2x at 64 KiB-25 MiB on 2 and 4 ranks
+        (bench/results/collectives.md), ``reduce_scatter`` on every other backend (NCCL). The ledger records the
+        collective that runs.""", choices=("auto", "reduce_scatter", "all_reduce", "all_to_all"))
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
     broadcast_buffers: bool = knob(True, "Broadcast buffers (BatchNorm statistics) from rank 0 after every "
                                          "optimizer step.")
@@ -212,6 +214,12 @@ class Zero3Config(ZeroConfig):
         unit's persistent shard lives in host memory (pinned on CUDA) and is copied to the device just before its
         all-gather, so the accelerator holds only the gathered units (and gradients in flight).""")
     param_init_fn: Optional[Callable] = _param_init_fn()
+    min_unit_mb: float = knob(MIN_UNIT_MB, """zero3: a module whose unit would hold fewer MiB of parameters than this
+        joins the unit of the module enclosing it (a block then holds its layer norms and small projections: one
+        all-gather in forward, one in backward and one reduction instead of one each per small module, each with a
+        fixed cost besides its bytes). Bounded by 1/64 of the model's parameter bytes, so a small model keeps several
+        units. ``0``: every module with parameters is a unit (DeepSpeed's stage-3 granularity). Not used by
+        fsdp_shard, whose wrap policy chooses its units.""")
     leaf_modules: Any = knob(None, """Module classes, class names or FQNs whose whole subtree is one unit, gathered in
         the leaf's own forward (a mixture-of-experts block, a module whose code reads its children's weights). A
         parameter read by a parent's code (``self.out_proj.weight``) is put in the parent's unit automatically, and
@@ -229,6 +237,11 @@ class Zero3Config(ZeroConfig):
                              f"{self.leaf_modules!r}")
         if isinstance(self.leaf_modules, (list, tuple)):
             self.leaf_modules = list(self.leaf_modules)
+        if isinstance(self.min_unit_mb, bool) or not isinstance(self.min_unit_mb, (int, float)) or \
+                self.min_unit_mb < 0:
+            raise ValueError(f"min_unit_mb must be a number of MiB >= 0 (0: one unit per module with parameters), "
+                             f"got {self.min_unit_mb!r}")
+        self.min_unit_mb = float(self.min_unit_mb)
         if self.offload_params not in (True, False):
             raise ValueError(f"offload_params must be True or False, got {self.offload_params!r}")
         if self.offload_params and self.offload_optimizer is not True:
@@ -262,6 +275,9 @@ class FSDPConfig(Zero3Config):
                              "use strategy zero3 for per-module units")
         if self.min_params is not None and (not isinstance(self.min_params, int) or self.min_params < 1):
             raise ValueError(f"min_params must be a positive integer, got {self.min_params!r}")
+        if self.min_unit_mb != MIN_UNIT_MB:
+            raise ValueError(f"min_unit_mb={self.min_unit_mb!r} is zero3's: fsdp_shard's units come from its wrap "
+                             "policy (wrap_classes, min_params); drop min_unit_mb, or use strategy zero3")
         super().validate(owner)
         return self
 

@@ -72,8 +72,8 @@ def test_main_job_path_popen(tmp_path):
     assert s["final_val_step"] == 4 and s["final_val_loss"] < s["step_losses"][0]
     metrics = next(whole.glob("gpt_test/version_*/metrics.csv")).read_text().splitlines()[0].split(",")
     assert {"comm/total", "mem/total", "mem/gathered_params_peak", "train_loss", "val_loss"} <= set(metrics)
-    # zero2 on gloo: its gradient reduce-scatters run as all-reduces (reduce_scatter_via="auto")
-    assert any(m.startswith("comm/all_reduce[") for m in metrics)
+    # zero2 on gloo: its gradient reduce-scatters run as all-to-alls (reduce_scatter_via="auto")
+    assert any(m.startswith("comm/all_to_all[") for m in metrics)
     logs = (whole / "train.log").read_text()
     assert "Initializing distributed: GLOBAL_RANK: 0" in logs and "accumulation=" in logs
     assert "GLOBAL_RANK: 1" in (whole / "train_ddp_process_1.log").read_text()

@@ -91,7 +91,9 @@ def test_stage3_gathers_each_unit_once_per_pass(worlds, name, strategy):
                 assert forward == backward, (forward ^ backward)
             assert r["resident"] == []  # the recomputation is not a second forward of a unit in the pass
         units = {tag for phase, tag in res[0]["gathers"][0]}
-        assert len(units) > (4 if strategy == "zero3" else 2), units  # zero3: several units per block
+        # zero3: several units per GPT-2 block; torch's encoder layer reads its children's weights itself (its fast
+        # path), so under zero3 too each layer is one unit (with the embedding and the head: 4)
+        assert len(units) > (4 if strategy == "zero3" and name == "hf_gpt2" else 2), units
 
 
 def test_zero3_frozen_units_before_the_first_trainable_one_join_the_backward_schedule(worlds):
@@ -100,12 +102,12 @@ def test_zero3_frozen_units_before_the_first_trainable_one_join_the_backward_sch
     backward too. They join the backward schedule in the first backward (like any unit found to need one), so later
     steps issue them in order with the others."""
     res, plain = (worlds(2).run(fit_ac, "adapters", "zero3", STEPS, 2, ac) for ac in ("auto", None))
-    frozen = {"net.blocks.0.norm", "net.blocks.0.base"}
+    frozen = {"net.blocks.0.base"}  # the frozen norm is in the block's unit with the adapter (min_unit_mb)
     assert diff(res[0]["state"], reference_state("adapters", STEPS, 2, 2)) <= TOL
     assert diff(res[0]["state"], plain[0]["state"]) <= SAME
     for r, p in zip(res, plain):
         for ours, theirs in zip(r["gathers"], p["gathers"]):
-            assert set(ours.values()) == {1}
+            assert set(ours.values()) == {1} and set(theirs.values()) == {1}  # no unit gathered twice in a phase
             extra = {(phase, r["unit_of"][tag]) for phase, tag in set(ours) - set(theirs)}
             assert extra == {("backward", u) for u in frozen} and set(theirs) <= set(ours), extra
         assert frozen <= set(r["backward_schedule"]) and not frozen & set(p["backward_schedule"])

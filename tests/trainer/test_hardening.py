@@ -81,7 +81,8 @@ def test_nonfinite_gradients_skip_on_all_ranks_or_raise(world2):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_many_small_parameters_are_bucketed(stage):
     """2,000 small parameters + one larger than the bucket, 8 param groups, world 4: parity with one
-    process, and the reduce-scatters per step are bounded by the buckets, not the parameter count."""
+    process, and the reduce-scatters per step are bounded by the buckets (1.6 MB of parameters, 1 MiB buckets at
+    stages 1/2, one unit at stage 3; the 8 groups share buckets), not by the parameter or group count."""
     from tests.hardening_scenarios import ManyParams, many_params_data
 
     with fresh_world(4) as w:
@@ -96,8 +97,7 @@ def test_many_small_parameters_are_bucketed(stage):
     for r in res:
         assert max_diff(params_of(r["state"]), params_of(ref.state_dict())) <= 1e-5
         per_step = [sum(1 for op, tag, _ in e if tag.startswith("grad_bucket")) for e in r["per_batch"]]
-        assert max(per_step) <= 8 + 8  # at most ~2 buckets per param group (8 groups), not 2,001 tensors
-        assert max(per_step) >= 8
+        assert 1 <= max(per_step) <= 2, per_step  # not 2,001 tensors, nor one bucket per param group
 
 
 @pytest.mark.parametrize("kind", ["zero3", "fsdp"])

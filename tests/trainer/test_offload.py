@@ -28,7 +28,11 @@ def test_offload_changes_nothing_in_the_weights(worlds, strategy, acc):
     on = worlds(2).run(fit_foreign, "hf_gpt2", strategy, STEPS, acc, "adam", {})[0]
     assert diff(off["state"], on["state"]) == 0.0  # the same arithmetic, on other buffers
     d = diff(off["state"], reference_state("hf_gpt2", STEPS, acc, 2, "adam"))
-    assert d <= 1e-5, f"{strategy} acc={acc}: max |diff| to one process {d:.3e}"
+    # Adam (DESIGN.md section 6): one process scales each of 6 micro-batches by 1/6, two ranks scale 3 by 1/3 and
+    # average, and Adam amplifies that rounding in near-zero gradients: 1.38e-5 after 4 steps with acc=3 on an AMD
+    # EPYC (every strategy alike, offload or not, before issue 16's changes too), below 1e-5 on the Intel Xeon of
+    # earlier runs
+    assert d <= 3e-5, f"{strategy} acc={acc}: max |diff| to one process {d:.3e}"
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])

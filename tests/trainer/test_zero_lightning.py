@@ -43,11 +43,14 @@ def counted_run(worlds, stage: int, policy: str, acc: int, via: str = "auto") ->
 
 def grad_op(stage: int, via: str) -> str:
     """The collective a gradient bucket's reduction is on these (gloo) ranks: zero0 all-reduces; zero1-3
-    reduce-scatter, which ``reduce_scatter_via="auto"`` runs as an all-reduce on gloo (core/collectives.py)."""
-    return "all_reduce" if stage == 0 or via in ("auto", "all_reduce") else "reduce_scatter"
+    reduce-scatter, which ``reduce_scatter_via="auto"`` runs as an all-to-all and a sum on gloo
+    (core/collectives.py ``reduce_scatter_path``)."""
+    if stage == 0:
+        return "all_reduce"
+    return {"auto": "all_to_all"}.get(via, via)
 
 
-VIAS = ["auto", "reduce_scatter"]  # the default (on gloo: all-reduce and slice) and the backend's reduce-scatter
+VIAS = ["auto", "reduce_scatter", "all_reduce"]  # the default (on gloo: all-to-all and sum) and the other two forms
 
 
 def buffers_of(state: dict) -> dict:
@@ -91,23 +94,24 @@ def test_parity_with_single_process(worlds, world, acc, stage, policy):
 NATIVE = [(2, "defer"), (2, "per_micro_batch"), (3, "per_micro_batch"), (3, "keep_unsharded_grads")]
 
 
+@pytest.mark.parametrize("via", ["reduce_scatter", "all_reduce"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage,policy", NATIVE, ids=[f"zero{s}-{p}" for s, p in NATIVE])
-def test_parity_both_reduce_scatter_paths(worlds, world, stage, policy):
-    """The backend's reduce-scatter (``reduce_scatter_via="reduce_scatter"``, NCCL's default) against one process,
-    as the default path (gloo: all-reduce and slice) is by every other parity test; at world 2 the two paths add the
-    same two numbers, so their weights are bit-identical."""
+def test_parity_every_reduce_scatter_path(worlds, world, stage, policy, via):
+    """The backend's reduce-scatter (``reduce_scatter_via="reduce_scatter"``, NCCL's default) and the all-reduce form
+    against one process, as the default path (gloo: all-to-all and sum) is by every other parity test; at world 2
+    every path adds the same two numbers, so their weights are bit-identical."""
     acc = 3
-    native = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"reduce_scatter_via": "reduce_scatter"})
+    other = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"reduce_scatter_via": via})
     ref_state, _ = reference(acc, world)
-    for rank, res in enumerate(native):
-        assert res["reduce_ops"] == {"reduce_scatter"}, res["reduce_ops"]
+    for rank, res in enumerate(other):
+        assert res["reduce_ops"] == {via}, res["reduce_ops"]
         diff = max_diff(params_of(res["state"]), params_of(ref_state))
         assert diff <= TOL, f"rank {rank}: max abs diff {diff:.3e} > {TOL}"
     if world == 2:
         auto = worlds(world).run(fit_zero, stage, policy, acc)
-        assert auto[0]["reduce_ops"] == {"all_reduce"}, auto[0]["reduce_ops"]
-        assert max_diff(params_of(auto[0]["state"]), params_of(native[0]["state"])) == 0.0
+        assert auto[0]["reduce_ops"] == {"all_to_all"}, auto[0]["reduce_ops"]
+        assert max_diff(params_of(auto[0]["state"]), params_of(other[0]["state"])) == 0.0
 
 
 @pytest.mark.parametrize("via", VIAS)
@@ -142,15 +146,17 @@ LEDGER_CASES = [(0, "auto")] + [(s, v) for s in (1, 2) for v in VIAS]  # zero0 h
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage,via", LEDGER_CASES, ids=[f"zero{s}-{v}" for s, v in LEDGER_CASES])
 def test_ledger_bytes_equal_formula(worlds, world, stage, via):
-    """One bucket per param group: bytes per step = sum over groups of (N-1)/N x padded fp32 bytes (x2 for
-    all-reduce), with padding = ceil(numel/N)*N - numel per group. ``reduce_scatter_via="reduce_scatter"``: the
-    ZeRO formula (2(N-1)/N, DDP's bytes); the default on gloo (all-reduce and slice): 3(N-1)/N, recorded as such."""
+    """One bucket for the optimizer's two param groups (a bucket larger than the model): bytes per step = (N-1)/N x
+    padded fp32 bytes (x2 for all-reduce), with padding = ceil(numel/N)*N - numel. ``reduce_scatter_via=
+    "reduce_scatter"`` and the default on gloo (all-to-all and sum): the ZeRO formula (2(N-1)/N, DDP's bytes);
+    ``"all_reduce"``: 3(N-1)/N, recorded as such."""
     res = worlds(world).run(fit_zero, stage, "defer", 1, bucket_mb=100.0,
                             strategy_kwargs={"reduce_scatter_via": via})[0]
     module = ZooModule()
     groups = module.configure_optimizers().param_groups
-    numels = sorted(sum(p.numel() for p in g["params"] if p.requires_grad) for g in groups)
-    assert sorted(n for n, _, _ in res["buckets"]) == numels
+    assert len(groups) == 2
+    numels = [sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)]
+    assert [(n, oi) for n, _, oi in res["buckets"]] == [(numels[0], 0)]
     n = world
     padded = [-(-x // n) * n for x in numels] if stage else numels
     grad_bytes = sum(padded) * 4
@@ -161,14 +167,14 @@ def test_ledger_bytes_equal_formula(worlds, world, stage, via):
             wire[op] += b
     if stage == 0:
         assert wire == {"all_reduce": 2 * (n - 1) / n * grad_bytes}
-    elif via == "auto":  # gloo: the reduce-scatter is an all-reduce of the whole bucket
+    elif via == "all_reduce":  # the reduce-scatter is an all-reduce of the whole bucket
         expected = (n - 1) / n * grad_bytes
         assert wire == {"all_reduce": 2 * expected, "all_gather": expected}
     else:
         expected = (n - 1) / n * grad_bytes
-        assert wire == {"reduce_scatter": expected, "all_gather": expected}
+        assert wire == {grad_op(stage, via): expected, "all_gather": expected}
         # ZeRO-1/2 move 2(N-1)/N x grad bytes per step, like DDP's all-reduce, not ZeroRedundancyOptimizer's ~3x
-        assert wire["reduce_scatter"] + wire["all_gather"] == pytest.approx(2 * (n - 1) / n * grad_bytes)
+        assert sum(wire.values()) == pytest.approx(2 * (n - 1) / n * grad_bytes)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

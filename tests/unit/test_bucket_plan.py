@@ -1,10 +1,13 @@
-"""Stages 0-2 bucketing (core/plan.py ``flat_buckets``): a param group spread thinly over the model (the biases and
-norms of a no-weight-decay group, as every GPT recipe has) must not make one bucket that completes only at the end of
-backward; buckets are launched in the order they complete.
+"""Stages 0-2 bucketing (core/plan.py ``flat_buckets``).
 
-Before issue 16 the no-decay group of Hugging Face GPT-2 was one 0.12 MiB bucket holding ``ln_f.bias`` ...
-``h.0.ln_1.weight``, first in launch order: since reductions launch in bucket order, no reduction could start before
-the end of backward (no overlap at all).
+A bucket holds every param group of its optimizer (weight-decay and no-decay parameters share it, as in DDP's
+buckets): one collective per bucket, each group a contiguous run inside it. Before issue 16 buckets were per param
+group: stage 3 issued two all-gathers and two reductions per Linear (weight in the decay group, bias in the
+no-decay group), and the no-decay group of Hugging Face GPT-2 was one 0.12 MiB bucket holding ``ln_f.bias`` ...
+``h.0.ln_1.weight``, first in launch order, so no reduction could start before the end of backward.
+
+Parameters spread thinly over the model in a bucket of their own (a second optimizer's) must still not make one
+bucket that completes only at the end of backward; buckets are launched in the order they complete.
 """
 
 from __future__ import annotations
@@ -22,30 +25,49 @@ class Deep(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
 
-def _plan(model: nn.Module, bucket_bytes: int):
-    owner = {id(p): (0, 0 if p.dim() >= 2 else 1) for p in model.parameters()}
+def _plan(model: nn.Module, bucket_bytes: int, biases_optimizer: int = 0):
+    """Weights are group 0 of optimizer 0; biases group 1 of optimizer 0, or group 0 of ``biases_optimizer``."""
+    owner = {id(p): (0, 0) if p.dim() >= 2 else ((0, 1) if biases_optimizer == 0 else (biases_optimizer, 0))
+             for p in model.parameters()}
     return owner, flat_buckets(model, owner, bucket_bytes)
 
 
-def test_thin_group_is_cut_as_backward_walks_and_buckets_launch_as_they_complete():
+def _check_cut_as_backward_walks(model: nn.Module, owner: dict, buckets: list, bucket_bytes: int) -> None:
+    walk = list(reversed(bucketed_trainable(model, owner)))
+    pos = {id(p): i for i, p in enumerate(walk)}
+    sizes = [p.numel() * 4 for p in walk]
+    # every parameter in exactly one bucket, each bucket of one optimizer
+    assert sorted(pos[id(p)] for _, ps in buckets for p in ps) == list(range(len(walk)))
+    assert all({owner[id(p)][0] for p in ps} == {oi} for oi, ps in buckets)
+    for _, ps in buckets:  # each bucket closes within bucket_bytes (+ one parameter) of model walked since it opened
+        first, end = min(pos[id(p)] for p in ps), max(pos[id(p)] for p in ps)
+        assert sum(sizes[first:end]) < bucket_bytes + max(sizes), (first, end)
+    ends = [max(pos[id(p)] for p in ps) for _, ps in buckets]
+    assert ends == sorted(ends)  # launch order = completion order in the walk
+
+
+def test_param_groups_share_a_bucket_each_group_contiguous():
     model = Deep()
     weight_bytes = 64 * 64 * 4
     bucket_bytes = 3 * weight_bytes  # ~3 blocks of the model per bucket
     owner, buckets = _plan(model, bucket_bytes)
-    walk = list(reversed(bucketed_trainable(model, owner)))
-    pos = {id(p): i for i, p in enumerate(walk)}
-    sizes = [p.numel() * 4 for p in walk]
-    # every parameter in exactly one bucket, each bucket of one group
-    assert sorted(pos[id(p)] for _, ps in buckets for p in ps) == list(range(len(walk)))
-    assert all(len({owner[id(p)] for p in ps}) == 1 for _, ps in buckets)
-    # the bias group is cut into several buckets, not one spanning the whole model
-    bias_buckets = [ps for key, ps in buckets if key == (0, 1)]
+    _check_cut_as_backward_walks(model, owner, buckets, bucket_bytes)
+    assert len(buckets) == 4  # 12 blocks of weight + bias, 3 per bucket: as many buckets as with one group
+    for _, ps in buckets:
+        groups = [owner[id(p)][1] for p in ps]
+        assert groups == sorted(groups) and set(groups) == {0, 1}, groups  # both groups, each one run
+        walk = [p for p in reversed(list(model.parameters())) if any(p is q for q in ps)]
+        assert [p for p in ps if p.dim() >= 2] == [p for p in walk if p.dim() >= 2]  # walk order inside a group
+
+
+def test_thin_optimizer_is_cut_as_backward_walks_and_buckets_launch_as_they_complete():
+    model = Deep()
+    bucket_bytes = 3 * 64 * 64 * 4
+    owner, buckets = _plan(model, bucket_bytes, biases_optimizer=1)
+    _check_cut_as_backward_walks(model, owner, buckets, bucket_bytes)
+    # the biases' optimizer is cut into several buckets, not one spanning the whole model
+    bias_buckets = [ps for oi, ps in buckets if oi == 1]
     assert len(bias_buckets) >= 3, [len(ps) for ps in bias_buckets]
-    for _, ps in buckets:  # each bucket closes within bucket_bytes (+ one parameter) of model walked since it opened
-        first, end = pos[id(ps[0])], pos[id(ps[-1])]
-        assert sum(sizes[first:end]) < bucket_bytes + max(sizes), (first, end)
-    ends = [pos[id(ps[-1])] for _, ps in buckets]
-    assert ends == sorted(ends)  # launch order = completion order in the walk
 
 
 def test_one_group_keeps_the_plain_size_rule():
@@ -62,7 +84,7 @@ def test_gpt2_first_bucket_completes_early():
     cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
                                   bos_token_id=1023, eos_token_id=1023)
     model = transformers.GPT2LMHeadModel(cfg)
-    owner, buckets = _plan(model, 1 << 20)
+    owner, buckets = _plan(model, 1 << 20, biases_optimizer=1)
     walk = {id(p): i for i, p in enumerate(reversed(bucketed_trainable(model, owner)))}
     first_end = max(walk[id(p)] for p in buckets[0][1])
     assert first_end < len(walk) // 2, (first_end, len(walk))  # launched mid-backward, not at its end
