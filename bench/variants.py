@@ -33,12 +33,15 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_bf16": {"param_dtype": "bf16"},
     "_offload": {"offload_optimizer": True},
     "_offload_all": {"offload_optimizer": True, "offload_params": True},
-    "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (before gloo's all-reduce path)
+    "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (gloo's default until issue 16)
     "_pf3": {"prefetch_depth": 3},  # stage 3: three units gathered ahead instead of one
+    "_ar": {"reduce_scatter_via": "all_reduce"},  # gloo's default before the all-to-all form (issue 16)
+    "_u0": {"min_unit_mb": 0.0},  # zero3: one unit per module with parameters (before issue 16's merging)
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
-            "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3")
+            "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3",
+            "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0")
 OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
 STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
@@ -110,6 +113,12 @@ NOTES = {
     "zero3_rs": "zero3 with reduce_scatter_via='reduce_scatter'",
     "fsdp_shard_rs": "fsdp_shard with reduce_scatter_via='reduce_scatter'",
     "zero3_pf3": "zero3 with prefetch_depth=3 (three units gathered ahead)",
+    "zero1_ar": "zero1 with reduce_scatter_via='all_reduce' (an all-reduce of the bucket: gloo's default until the "
+                "all-to-all form, issue 16)",
+    "zero2_ar": "zero2 with reduce_scatter_via='all_reduce'",
+    "zero3_ar": "zero3 with reduce_scatter_via='all_reduce'",
+    "fsdp_shard_ar": "fsdp_shard with reduce_scatter_via='all_reduce'",
+    "zero3_u0": "zero3 with min_unit_mb=0 (one unit per module with parameters: the plan before issue 16)",
     "fsdp_shard_pf3": "fsdp_shard with prefetch_depth=3 (three units gathered ahead)",
     "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
                 "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
