@@ -189,13 +189,14 @@ def plan_units(root: nn.Module, granularity: str, wrap_classes=None, min_params:
     if granularity == "zero3":
         # containers have no forward of their own to hook: their parameters are read by the parent's code,
         # so they go to the parent's unit (the root unit when the parent is the LightningModule)
-        reading = {r for rs in readers.values() for r in rs}
-        unit_names = [n for n, m in modules.items() if n and not isinstance(m, CONTAINERS) and
-                      (any(True for _ in m.parameters(recurse=False)) or n in reading)]
         if min_unit_bytes > 0:
             sizes = _holder_bytes(root, readers, numel)
             bound = min(float(min_unit_bytes), sum(sizes.values()) / MERGE_FRACTION)
             unit_names = small_units_merged(modules, leaves, sizes, bound)
+        else:
+            reading = {r for rs in readers.values() for r in rs}
+            unit_names = [n for n, m in modules.items() if n and not isinstance(m, CONTAINERS) and
+                          (any(True for _ in m.parameters(recurse=False)) or n in reading)]
     else:
         unit_names = []
         for n, m in modules.items():

@@ -105,6 +105,63 @@ def test_fsdp_auto_without_blocks_is_one_unit_and_says_so():
     assert "2 x Linear" in describe_plan(plan_units(blocks, "fsdp", "auto"), "fsdp")
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)  # 2 x width: small
+        self.attn = nn.Sequential(nn.Linear(width, width // 8), nn.Linear(width // 8, width))  # 2 small Linears
+        self.mlp = nn.Linear(width, 4 * width)  # large
+
+
+def _tower(width: int = 512, depth: int = 4) -> nn.Module:
+    return nn.Sequential(nn.Embedding(256, width), nn.ModuleList(_Block(width) for _ in range(depth)),
+                         nn.LayerNorm(width))
+
+
+def _sizes(specs) -> dict[str, int]:
+    return {s.name: sum(p.numel() * 4 for p in s.params) for s in specs}
+
+
+def test_small_modules_join_the_unit_of_a_module_enclosing_them():
+    """zero3 with ``min_unit_mb``: a module whose unit would hold less joins its parent's unit, bottom-up; a parent
+    with enough becomes a unit (here the small attention pair); what reaches the top goes to the root unit; a module
+    at least that large stays a unit of its own; containers never become units; 0 keeps one unit per module."""
+    model = _tower()  # width 512: embedding 512 KiB; mlp 4 MiB + 8 KiB; attn pair 258 KiB; norms 4 KiB
+    per_module = [s.name for s in plan_units(model, "zero3")]
+    assert {"1.0.norm", "1.0.attn.0", "1.0.attn.1", "1.0.mlp", "0", "2"} <= set(per_module)
+    merged = _sizes(plan_units(model, "zero3", min_unit_bytes=2**18))  # 256 KiB
+    assert set(merged) == {"<root>", "0", *(f"1.{i}.{m}" for i in range(4) for m in ("attn", "mlp"))}, merged
+    assert all(merged[f"1.{i}.attn"] == (2 * 512 * 64 + 64 + 512) * 4 for i in range(4))
+    assert merged["<root>"] == 4 * 2 * 512 * 4 + 2 * 512 * 4  # the blocks' norms and the last norm
+    # every parameter exactly once, whatever the plan
+    assert sum(merged.values()) == sum(p.numel() * 4 for p in model.parameters())
+    # with a larger minimum a block's norm and attention pair (262 KiB) are still too small: up to the root they go,
+    # all blocks' together (one gather per pass for all of them, held for the step)
+    coarse = _sizes(plan_units(model, "zero3", min_unit_bytes=2**19))
+    assert set(coarse) == {"<root>", "0", *(f"1.{i}.mlp" for i in range(4))}, coarse
+    assert coarse["<root>"] == 4 * (merged["1.0.attn"] + 2 * 512 * 4) + 2 * 512 * 4
+    # leaves stay whole units whatever their size
+    assert "1.0.norm" in _sizes(plan_units(model, "zero3", min_unit_bytes=2**18, leaf_modules=["1.0.norm"]))
+
+
+def test_merging_never_takes_a_unit_above_a_64th_of_the_model():
+    """A small model keeps several units: the minimum is bounded by 1/64 of its parameter bytes."""
+    model = _tower(width=64)  # 0.2 MiB in all: a 1 MiB minimum would make it one unit
+    total = sum(p.numel() * 4 for p in model.parameters())
+    plan = _sizes(plan_units(model, "zero3", min_unit_bytes=2**20))
+    assert len(plan) > 4 and all(b >= total / 64 for n, b in plan.items() if n != "<root>"), plan
+    assert "1.0.mlp" in plan and "1.0.norm" not in plan  # 65 KiB >= 1/64 of 0.2 MiB; 512 B is not
+
+
+def test_completion_order_puts_enclosing_units_after_what_they_enclose():
+    from lightning_shard.core.unit import completion_order
+
+    names = {0: "emb", 1: "blocks.0", 2: "blocks.0.attn", 3: "blocks.0.mlp", 4: "blocks.1", 5: "blocks.1.mlp",
+             6: "head"}
+    assert completion_order([0, 1, 2, 3, 4, 5, 6], names) == [0, 2, 3, 1, 5, 4, 6]
+    assert completion_order([0, 6], names) == [0, 6]  # nothing nested: the start order
+
+
 def test_a_wrap_policy_that_matches_nothing_is_still_an_error():
     with pytest.raises(ValueError, match="matched no module"):
         plan_units(nn.Sequential(nn.Linear(2, 2)), "fsdp", ["Block"])
