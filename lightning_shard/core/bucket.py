@@ -59,6 +59,7 @@ class Bucket:
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
         self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
+        self._solo_gather = C.get_world_size(self.gather_group) == 1
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
         # how the gradient reduce-scatter runs (core/collectives.py ``reduce_scatter_path``): the backend's own,
         # an all-to-all and a sum of the pieces (gloo's default), or an in-place all-reduce of which this rank keeps
@@ -191,6 +192,10 @@ class Bucket:
         if self.offload_params:  # host shard: to the device first (a fresh staging buffer, freed after the gather)
             src = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device).copy_(self.shard,
                                                                                               non_blocking=True)
+        if self._solo_gather:  # a gather group of one rank: the shard is the whole buffer
+            self.flat_param.copy_(src)
+            self._gather_work = None
+            return
         with label("gather_launch"):
             self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
                                              tag=f"unshard_bucket{self.index}")
@@ -292,6 +297,11 @@ class Bucket:
             self.attach_grads()
         src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)
         tag = f"grad_bucket{self.index}"
+        self._src = src
+        if self.world == 1:  # a group of one rank: the sum is the buffer itself, no collective to wait for
+            self._out = src[self.shard_start:self.shard_end] if self.spec.reduce_scatters else src
+            self._work = None
+            return
         if not self.spec.reduce_scatters:
             self._out = src
             self._work = C.all_reduce(src, group=self.group, async_op=async_op, tag=tag)
@@ -311,7 +321,6 @@ class Bucket:
                     self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
                 else:
                     self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
-        self._src = src
 
     def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
         """Wait for the reduction; fold it into the accumulator and, on a boundary, publish the averaged grad."""

@@ -1,7 +1,7 @@
 """Lightning strategies ``zero3`` and ``fsdp_shard``: parameters sharded too (stage 3 of the same engine).
 
-``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity), modules holding less than
-``min_unit_mb`` merged into the unit of a module enclosing them.
+``zero3``: every module with direct parameters is a unit (DeepSpeed stage-3 granularity), small modules merged into
+the unit of a module enclosing them (the size is a knob of strategies/config.py).
 ``fsdp_shard``: units chosen by a wrap policy, e.g. ``FSDPShardStrategy(wrap_classes=["Block"])``.
 
 Knobs: :class:`~lightning_shard.strategies.config.Zero3Config` and ``FSDPConfig`` (ZeroConfig's plus parameter

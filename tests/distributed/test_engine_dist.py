@@ -288,7 +288,9 @@ def world_one_fit(stage: int) -> bool:
     mark = C.LEDGER.mark()
     _train(engine, model, opt, 3)
     engine.wait_params()
-    assert not [e for e in C.LEDGER.since(mark) if e.op == "all_gather"]
+    if engine.controller is not None:
+        engine.controller.release_to_module()
+    assert not [e for e in C.LEDGER.since(mark) if e.tag.startswith(("grad_bucket", "param_bucket", "unshard"))]
     X, Y = _data(3, 1)
     for s in range(3):
         ref_opt.zero_grad()
@@ -300,8 +302,10 @@ def world_one_fit(stage: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_world_one_has_no_post_step_gather(worlds, stage):
-    """One rank owns the whole buffer: zero1/2 issue no post-step all-gather at world 1 (it was a copy onto itself
-    plus a wait in the next forward) and the weights are those of plain torch training."""
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_world_one_issues_no_collective_of_its_buckets(worlds, stage):
+    """One rank owns the whole buffer: at world 1 no stage issues a gradient reduction, a post-step all-gather or a
+    unit gather (each was a one-rank collective through gloo's thread: a copy onto itself plus a wait, 0.04-0.06 s
+    per step off-CPU for zero1/2 on GPT-2, bench/results/speed_world1.md) and the weights are those of plain torch
+    training."""
     assert worlds(1).run(world_one_fit, stage) == [True]
