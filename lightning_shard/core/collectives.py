@@ -198,10 +198,11 @@ def reduce_scatter_path(choice: str, group: Group = None) -> str:
 
     * ``"reduce_scatter"``: the backend's own; ``"auto"`` everywhere but gloo (NCCL's is the fast one);
     * ``"all_to_all"``: an all-to-all of the bucket (rank j receives every rank's j-th 1/N) and the sum of the N
-      pieces; ``"auto"`` on gloo, where it is 1.7-3x faster than gloo's reduce-scatter and 1.3-2x faster than an
-      all-reduce of the bucket, at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch 2.13 (``bench/bench_collectives.py``,
-      ``bench/results/collectives.md``), and moves the reduce-scatter's (N-1)/N of the bucket per rank; it costs a
-      second full-size buffer (the pieces) while the reduction is in flight;
+      pieces; ``"auto"`` on gloo, where it is 1.7-7x faster than gloo's reduce-scatter and 1.3-10x faster than an
+      all-reduce of the bucket (but 0.95x at 256 KiB on 2 ranks), at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch
+      2.13 (``bench/bench_collectives.py``, ``bench/results/collectives.md``), and moves the reduce-scatter's
+      (N-1)/N of the bucket per rank; it costs a second full-size buffer (the pieces) while the reduction is in
+      flight;
     * ``"all_reduce"``: an in-place all-reduce of the bucket, each rank keeping its range (twice the bytes; the
       default on gloo before the all-to-all form was measured).
 

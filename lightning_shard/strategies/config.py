@@ -75,7 +75,7 @@ class ZeroConfig:
         bucket, rank j receiving every rank's j-th 1/N, and a sum of the N pieces: the same bytes, plus a second
         full-size buffer while in flight), ``"all_reduce"`` (an in-place all-reduce of the bucket, of which each rank
         keeps its range: the same sums, twice the bytes), ``"auto"``: ``all_to_all`` on gloo, where it beats gloo's
-        reduce-scatter 1.7-3x and the all-reduce 1.3-2x at 64 KiB-25 MiB on 2 and 4 ranks
+        reduce-scatter 1.7-7x and, but for one size, the all-reduce 1.3-10x at 64 KiB-25 MiB on 2 and 4 ranks
         (bench/results/collectives.md), ``reduce_scatter`` on every other backend (NCCL). The ledger records the
         collective that runs.""", choices=("auto", "reduce_scatter", "all_reduce", "all_to_all"))
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
