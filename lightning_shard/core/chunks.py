@@ -29,10 +29,9 @@ def elementwise(value: Any, numel: int) -> bool:
 
 class OptimizerChunks:
     def __init__(self, shard: torch.Tensor, slot_ranges: dict[int, tuple[int, int]], chunk_numel: int,
-                 trainable: bool, slot_groups: Optional[list[int]] = None) -> None:
+                 trainable: bool, slot_groups: list[int]) -> None:
         """``shard``: the owned elements (the tensor the optimizer updates, through views); ``slot_ranges``:
-        slot index -> the slot's piece in shard coordinates, in order; ``slot_groups``: each slot's param group
-        (None: all in group 0)."""
+        slot index -> the slot's piece in shard coordinates, in order; ``slot_groups``: each slot's param group."""
         self.shard, self.slot_ranges, self.trainable = shard, slot_ranges, trainable
         self.slot_groups = slot_groups
         self._slots = sorted(slot_ranges)
@@ -40,13 +39,10 @@ class OptimizerChunks:
         n, step = shard.numel(), max(1, chunk_numel)
         self.ranges: list[tuple[int, int]] = [(i, min(i + step, n)) for i in range(0, n, step)]
         self.chunks: list[nn.Parameter] = [self._view(i, j) for i, j in self.ranges]
-        if slot_groups is not None:
-            self._split(lambda s: slot_groups[s], {})
+        self._split(lambda s: slot_groups[s], {})
 
     def grouped(self) -> list[tuple[int, nn.Parameter]]:
         """``(param group, chunk)`` for every chunk, in order: what the optimizer's param groups hold."""
-        if self.slot_groups is None:
-            return [(0, c) for c in self.chunks]
         return [(self.slot_groups[self.slots_in(i, j)[0]], c) for c, (i, j) in zip(self.chunks, self.ranges)]
 
     def _view(self, i: int, j: int) -> nn.Parameter:

@@ -60,9 +60,14 @@ def bucketed_trainable(module: nn.Module, owner: dict[int, Owner]) -> list[nn.Pa
     return [p for p in module.parameters() if p.requires_grad and id(p) in owner]
 
 
+def group_of(p: nn.Parameter, owner: dict[int, Owner]) -> int:
+    """The param group of ``p`` in its optimizer (-1: no optimizer holds it)."""
+    return owner[id(p)][1] if id(p) in owner else -1
+
+
 def by_group(params: Sequence[nn.Parameter], owner: dict[int, Owner]) -> list[nn.Parameter]:
     """``params`` ordered by param group, stable: each group one contiguous run of the bucket."""
-    return sorted(params, key=lambda p: owner[id(p)][1] if id(p) in owner else -1)
+    return sorted(params, key=lambda p: group_of(p, owner))
 
 
 def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
@@ -105,5 +110,4 @@ def unit_buckets(spec: UnitSpec, owner: dict[int, Owner],
     for i, p in enumerate(spec.params):
         oi = owner[id(p)][0] if p.requires_grad and id(p) in owner else None
         keyed.setdefault((oi, dtype_of(p), p.device), []).append(i)
-    group = lambda i: owner[id(spec.params[i])][1] if id(spec.params[i]) in owner else -1  # noqa: E731
-    return [(key[0], sorted(idx, key=group)) for key, idx in keyed.items()]
+    return [(key[0], sorted(idx, key=lambda i: group_of(spec.params[i], owner))) for key, idx in keyed.items()]
