@@ -37,11 +37,17 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_pf3": {"prefetch_depth": 3},  # stage 3: three units gathered ahead instead of one
     "_ar": {"reduce_scatter_via": "all_reduce"},  # gloo's default before the all-to-all form (issue 16)
     "_u0": {"min_unit_mb": 0.0},  # zero3: one unit per module with parameters (before issue 16's merging)
+    # compressed communication (issue 14, core/quant.py): int8 gathers, int8 / int4 reductions, both
+    "_q8g": {"gather_quant": "int8"},
+    "_q8r": {"reduce_quant": "int8"},
+    "_q4r": {"reduce_quant": "int4"},
+    "_q8": {"gather_quant": "int8", "reduce_quant": "int8"},
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
             "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3",
-            "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0")
+            "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0",
+            "zero2_q8r", "zero2_q4r", "zero3_q8g", "zero3_q8r", "zero3_q4r", "zero3_q8", "fsdp_shard_q8")
 OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
 STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
@@ -120,6 +126,13 @@ NOTES = {
     "fsdp_shard_ar": "fsdp_shard with reduce_scatter_via='all_reduce'",
     "zero3_u0": "zero3 with min_unit_mb=0 (one unit per module with parameters: the plan before issue 16)",
     "fsdp_shard_pf3": "fsdp_shard with prefetch_depth=3 (three units gathered ahead)",
+    "zero2_q8r": "zero2 with reduce_quant='int8' (quantized reductions with error feedback, docs/compression.md)",
+    "zero2_q4r": "zero2 with reduce_quant='int4'",
+    "zero3_q8g": "zero3 with gather_quant='int8' (quantized parameter all-gathers)",
+    "zero3_q8r": "zero3 with reduce_quant='int8'",
+    "zero3_q4r": "zero3 with reduce_quant='int4'",
+    "zero3_q8": "zero3 with gather_quant='int8' and reduce_quant='int8'",
+    "fsdp_shard_q8": "fsdp_shard with gather_quant='int8' and reduce_quant='int8'",
     "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
                 "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
                 "= bucket_mb MiB of fp32 elements (25 MiB: 6,553,600), overlap_comm=False, "

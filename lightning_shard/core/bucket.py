@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from . import quant as Q
 from .chunks import OptimizerChunks
 from .config import label
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
@@ -50,7 +51,8 @@ class Bucket:
                  param_groups: Optional[list[int]], *, spec: ShardSpec, rank: int, group: C.Group,
                  replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
-                 offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter") -> None:
+                 offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
+                 gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK) -> None:
         self.index, self.params, self.names = index, params, names
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
@@ -79,6 +81,19 @@ class Bucket:
         shard = 0 if spec.num_shards == 1 else rank
         self.shard_start, self.shard_end = self.layout.shard_range(shard)
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
+        # compressed communication (core/quant.py): the stage-3 parameter all-gathers of forward and backward move
+        # block-quantized shards (the masters stay exact); the gradient reductions move every rank's quantized pieces
+        # in an all-to-all, summed in fp32 on arrival, each rank carrying its own quantization error to its next
+        # reduction (``residual``: error feedback). Both only where a collective runs (more than one rank).
+        self.gather_q: Optional[Q.QuantLayout] = None
+        if gather_quant != "none" and spec.shards_params and spec.num_shards > 1:
+            self.gather_q = Q.QuantLayout.of(gather_quant, quant_block, self.layout.shard_numel)
+        self.reduce_q: Optional[Q.QuantLayout] = None
+        if reduce_quant != "none" and spec.reduce_scatters and spec.world > 1:
+            self.reduce_q = Q.QuantLayout.of(reduce_quant, quant_block, self.layout.shard_numel)
+        self.residual: Optional[torch.Tensor] = None  # reduce_quant: this rank's error not yet sent (fp32, full)
+        self._gather_recv: Optional[torch.Tensor] = None  # gather_quant: every rank's quantized shard, in flight
+        self._qsend: Optional[torch.Tensor] = None  # reduce_quant: this rank's quantized pieces, in flight
 
         self.flat_param: Optional[torch.Tensor] = None
         self._full: Optional[torch.Tensor] = None  # stage 3: the full buffer whose storage unshard/reshard resize
@@ -174,8 +189,9 @@ class Bucket:
         self.state = transition(self.state, new, f"bucket {self.index} ({self.names[0]}...)")
 
     # ------------------------------------------------------------------ stage 3: parameter materialization
-    def unshard(self, async_op: bool) -> None:
-        """Start the all-gather of the full parameters (stage 3); :meth:`wait_unshard` makes them usable."""
+    def unshard(self, async_op: bool, exact: bool = False) -> None:
+        """Start the all-gather of the full parameters (stage 3); :meth:`wait_unshard` makes them usable. With
+        ``gather_quant`` the shards travel quantized unless ``exact`` (gathers for export and the end of fit)."""
         if self.param_state is not ParamState.SHARDED:
             return
         self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
@@ -197,8 +213,26 @@ class Bucket:
             self._gather_work = None
             return
         with label("gather_launch"):
+            if self.gather_q is not None and not exact:
+                self._gather_work = self._launch_quantized_gather(src, async_op)
+                return
             self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
                                              tag=f"unshard_bucket{self.index}")
+
+    def _launch_quantized_gather(self, src: torch.Tensor, async_op: bool) -> Any:
+        """Quantize this rank's shard (from the fp32 master where there is one: the values the optimizer keeps) and
+        all-gather every rank's quantized shard; :meth:`wait_unshard` dequantizes them into the full buffer."""
+        q = self.gather_q
+        if self.master is not None:
+            values = torch.zeros(q.numel, dtype=torch.float32, device=self.device)
+            values[: self.owned_numel].copy_(self.master)
+        else:
+            values = src
+        send = torch.empty(1, q.piece_bytes, dtype=torch.uint8, device=self.device)
+        Q.quantize(values.view(1, -1), q, send)
+        self._gather_recv = torch.empty(self.world * q.piece_bytes, dtype=torch.uint8, device=self.device)
+        return C.all_gather(self._gather_recv, send.view(-1), group=self.gather_group, async_op=async_op,
+                            tag=f"unshard_bucket{self.index}")
 
     def _what(self) -> str:
         unit = getattr(self.unit, "name", None)
@@ -214,6 +248,9 @@ class Bucket:
             work, self._gather_work = self._gather_work, None
             with label("gather_wait"):
                 C.wait(work, f"the parameter all-gather of {self._what()}")
+        if self._gather_recv is not None:
+            recv, self._gather_recv = self._gather_recv, None
+            Q.dequantize(recv.view(self.world, -1), self.gather_q, self.flat_param.view(self.world, -1))
         for p, view in zip(self.params, slot_views(self.layout, self.flat_param)):
             p.data = view
         self.param_state = param_transition(self.param_state, ParamState.UNSHARDED, f"bucket {self.index}")
@@ -295,8 +332,11 @@ class Bucket:
         self.set_state(GradState.REDUCING)
         if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
             self.attach_grads()
-        src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)
         tag = f"grad_bucket{self.index}"
+        if self.reduce_q is not None:  # (world > 1 only: core/quant.py)
+            self._launch_quantized_reduce(async_op, tag)
+            return
+        src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)
         self._src = src
         if self.world == 1:  # a group of one rank: the sum is the buffer itself, no collective to wait for
             self._out = src[self.shard_start:self.shard_end] if self.spec.reduce_scatters else src
@@ -322,6 +362,25 @@ class Bucket:
                 else:
                     self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
 
+    def _launch_quantized_reduce(self, async_op: bool, tag: str) -> None:
+        """``reduce_quant``: this rank's gradient plus the error it has not sent yet, quantized piece by piece (piece
+        j is rank j's range); what quantization loses stays in ``residual`` for the next reduction, so over many
+        steps the gradients applied sum to the gradients computed, within one step's quantization error."""
+        q = self.reduce_q
+        x = self.grad_buf.to(torch.float32, copy=True)
+        if self.residual is not None:
+            x.add_(self.residual)
+        self._qsend = torch.empty(self.world, q.piece_bytes, dtype=torch.uint8, device=self.device)
+        sent = Q.quantize(x.view(self.world, -1), q, self._qsend)
+        self.residual = x.view(self.world, -1).sub_(sent).view(-1)
+        self._pieces = torch.empty_like(self._qsend)
+        if self.grad_buf.dtype == torch.float32 and not self.spec.frees_grads:
+            self._out = self.grad_buf[self.shard_start:self.shard_end]  # stage 1: into its own range, as unquantized
+        else:
+            self._out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        self._work = C.all_to_all(self._pieces.view(-1), self._qsend.view(-1), group=self.group, async_op=async_op,
+                                  tag=tag)
+
     def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
         """Wait for the reduction; fold it into the accumulator and, on a boundary, publish the averaged grad."""
         if self._work is not None:
@@ -329,9 +388,11 @@ class Bucket:
                 C.wait(self._work, f"the gradient reduction of {self._what()}")
         out = self._out
         assert out is not None
-        if self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
+        if self.reduce_q is not None and self._pieces is not None:  # quantized pieces: dequantized, summed in fp32
+            Q.sum_pieces(self._pieces, self.reduce_q, out)
+        elif self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
             torch.sum(self._pieces.view(self.world, -1), dim=0, out=out)
-        self._work, self._src, self._out, self._pieces = None, None, None, None
+        self._work, self._src, self._out, self._pieces, self._qsend = None, None, None, None, None
         if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]
         else:

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import collectives as C
 from . import grads, health, mixed, state_dict
+from . import quant as Q
 from .bucket import Bucket
 from .build import build_flat, build_units
 from .config import UnitConfig, parse_param_dtype, parse_reduce_dtype, phase
@@ -31,6 +32,7 @@ from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .param_gather import PostStepGathers
 from .param_shard import ParamShardController
 from .plan import Owner, param_owners
+from .quant import check_quant
 from .spec import ShardSpec
 from .state import AccumulationPolicy, GradState
 from .sync import GradSync
@@ -48,7 +50,8 @@ class ShardEngine:
                  optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
                  debug_collectives: bool = False, gather_group: C.Group = None,
                  param_dtype: Optional[str] = None, offload_optimizer: bool = False,
-                 offload_params: bool = False, reduce_scatter_via: str = "auto") -> None:
+                 offload_params: bool = False, reduce_scatter_via: str = "auto", gather_quant: str = "none",
+                 reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -73,6 +76,8 @@ class ShardEngine:
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_params = bool(offload_params)
         self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
+        self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
+            stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
         first = next(module.parameters(), None)
         if self.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
@@ -168,7 +173,8 @@ class ShardEngine:
                       rank=self.rank, group=self.group, replicate_group=self.replicate_group,
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
                       offload=self.offload_optimizer, offload_params=self.offload_params,
-                      reduce_scatter_path=self.rs_path)
+                      reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
+                      reduce_quant=self.reduce_quant, quant_block=self.quant_block)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

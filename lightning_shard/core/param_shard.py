@@ -332,7 +332,7 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             yield
             return
         for u in self.units:
-            u.unshard(async_op=True)
+            u.unshard(async_op=True, exact=True)  # export / generation: the values, not their quantization
         for u in self.units:
             u.wait()
         previous, self.state = self.state, ControllerState.FULL_PARAMS
@@ -352,7 +352,7 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         for u in self.units:
             for b in u.buckets:
                 b.gauge = Gauge()  # the module owns them from now on: not training's gathered bytes
-            u.unshard(async_op=True)
+            u.unshard(async_op=True, exact=True)  # the module keeps the values the optimizer computed
         for u in self.units:
             u.wait()
             for b in u.buckets:

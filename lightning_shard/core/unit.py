@@ -51,9 +51,9 @@ class Unit:
     def full_bytes(self) -> int:
         return sum(b.layout.padded_numel * b.itemsize for b in self.buckets)
 
-    def unshard(self, async_op: bool) -> None:
+    def unshard(self, async_op: bool, exact: bool = False) -> None:
         for b in self.buckets:
-            b.unshard(async_op)
+            b.unshard(async_op, exact)
 
     def wait(self) -> None:
         for b in self.buckets:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.config import MIN_UNIT_MB
+from ..core.quant import DEFAULT_BLOCK, check_quant
 
 PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
     "32-true": (torch.float32, 4, False),
@@ -58,6 +59,11 @@ class StrategyConfig:
     # accelerators planned for), "all_to_all" (what it is on gloo: the reduce-scatter's bytes, a second full-size
     # buffer in flight) or "all_reduce" (the bucket all-reduced, twice the bytes)
     reduce_scatter_via: str = "reduce_scatter"
+    # compressed communication (core/quant.py): block-quantized stage-3 parameter gathers / gradient reductions (an
+    # all-to-all of quantized pieces, with an fp32 error-feedback residual per trainable element)
+    gather_quant: str = "none"
+    reduce_quant: str = "none"
+    quant_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         if STAGE_OF.get(self.strategy) != self.stage:
@@ -74,6 +80,8 @@ class StrategyConfig:
         if self.reduce_scatter_via not in ("reduce_scatter", "all_reduce", "all_to_all"):
             raise ValueError(f"reduce_scatter_via must be 'reduce_scatter', 'all_reduce' or 'all_to_all' (the planner "
                              f"plans one backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
+        check_quant(self.stage, self.gather_quant, self.reduce_quant, self.quant_block, self.reduce_dtype,
+                    "auto" if self.reduce_scatter_via == "reduce_scatter" else self.reduce_scatter_via)
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
@@ -95,6 +103,8 @@ class StrategyConfig:
         name = self.strategy + ("_hybrid" if self.shard_size else "")
         extra = "" if self.stage < 3 or self.reshard_after_forward else ", no reshard"
         extra += ", offload" + (" all" if self.offload_params else "") if self.offload_optimizer else ""
+        extra += f", {self.gather_quant} gathers" if self.gather_quant != "none" else ""
+        extra += f", {self.reduce_quant} reductions" if self.reduce_quant != "none" else ""
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
@@ -119,6 +129,9 @@ class StrategyConfig:
             out["offload_params"] = True
         if self.reduce_scatter_via != "reduce_scatter":
             out["reduce_scatter_via"] = self.reduce_scatter_via
+        for knob, off in (("gather_quant", "none"), ("reduce_quant", "none"), ("quant_block", DEFAULT_BLOCK)):
+            if getattr(self, knob) != off:
+                out[knob] = getattr(self, knob)
         return out
 
     def with_(self, **changes: Any) -> "StrategyConfig":

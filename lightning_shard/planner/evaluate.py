@@ -85,7 +85,7 @@ def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
     memory = peak_bytes(layout, cfg, job, int(ctx.activations))
     states = state_bytes(layout, cfg, job)
     t = step_time(layout, cfg, job, colls, rings, ctx.psi, ctx.shape, ctx.device.peak_flops, ctx.efficiency,
-                  ctx.bus_efficiency)
+                  ctx.bus_efficiency, ctx.device.memory_bw)
     traffic = by_link_class(colls, {k: r.link_class for k, r in rings.items()})
     paper = zero_paper_bytes(ctx.psi, shard, cfg.stage, job.precision, job.optimizer)
     return PlanRow(cfg, memory, states, paper, fits(memory["total"], ctx.device.memory_bytes), traffic, t,

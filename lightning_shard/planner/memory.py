@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from ..core.quant import piece_bytes
 from ..core.sync import IN_FLIGHT
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
@@ -162,6 +163,8 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     window = job.accumulation > 1
     accum_held = st["accumulators"] if window else 0  # per_micro_batch: alive from the window's first reduction on
     persistent = st["params"] + st["master"] + st["optimizer_state"] + accum_held
+    if cfg.reduce_quant != "none":  # the error-feedback residual: fp32, every trainable element (core/bucket.py)
+        persistent += sum(b.padded_numel * 4 for b in layout.trainable if b.num_shards > 1)
     if cfg.offload_optimizer:  # host memory (``on_host``), not the device's: the masters and the optimizer state
         persistent -= st["master"] + st["optimizer_state"] + (st["params"] if cfg.offload_params else 0)
     grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)
@@ -171,7 +174,11 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
         rd = _reduce_dtype(cfg, b)
         extra = (b.padded_numel * _SIZE[rd] if rd != b.dtype else 0) + \
             (b.shard_numel * _SIZE[rd] if layout.stage >= 2 or (layout.stage == 1 and rd != b.dtype) else 0)
-        if layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":  # every rank's pieces of this rank's range
+        if cfg.reduce_quant != "none" and b.num_shards > 1:  # core/quant.py: the pieces sent and received (bytes)
+            # and the received pieces dequantized to fp32, besides the fp32 output shard
+            pieces = b.num_shards * piece_bytes(cfg.reduce_quant, cfg.quant_block, b.shard_numel)
+            extra = 2 * pieces + b.padded_numel * 4 + b.shard_numel * 4
+        elif layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":  # every rank's pieces of this rank's range
             extra += b.padded_numel * _SIZE[rd]
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)

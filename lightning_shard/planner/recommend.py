@@ -22,6 +22,7 @@ from .stats import transformer_shape
 
 GiB = 2**30
 TIE = 0.02  # step times within 2% count as equal
+QUANT_MARGIN = 0.10  # quantized communication is recommended only when predicted at least 10% faster
 
 
 @dataclass
@@ -93,6 +94,12 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
     runner = rest[0] if rest else None
     lead = ("fastest that fits" if len(near) == 1 else
             f"leanest of the {len(near)} within {TIE:.0%} of the fastest that fits")
+    quantized = quantized_variant(ctx, best) if configs is None else None
+    if quantized is not None:  # compressed communication pays: the exact row becomes the runner-up
+        rows.append(quantized)
+        lead = (f"{lead} as {best.label}, with quantized communication predicted "
+                f"{1 - quantized.time.total / best.time.total:.0%} faster (>= {QUANT_MARGIN:.0%} required)")
+        best, runner = quantized, best
     reason = (f"{best.label}: {lead} ({best.time.total:.3f} s/step, {_gib(best.memory['total'])} of "
               f"{_gib(spec.memory_bytes)} per rank)")
     if runner is not None:
@@ -100,6 +107,22 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
                    f"{_gib(runner.memory['total'])} per rank")
     asked = topology if isinstance(topology, str) else ("cpu" if topology is None else None)
     return PlanResult(rows, best, runner, reason, ctx, asked)
+
+
+def quantized_variant(ctx: Context, best: PlanRow) -> Optional[PlanRow]:
+    """The fastest of ``best`` with int8 gathers (stage 3), int8 reductions (stages 1-3) or both, if it fits and is
+    predicted at least ``QUANT_MARGIN`` faster than ``best`` itself; else None. Quantization changes the numbers a
+    model trains with (docs/compression.md), so it is taken only for a clear gain."""
+    cfg = best.config
+    if ctx.job.world < 2 or cfg.stage == 0 or cfg.reduce_dtype is not None or cfg.gather_quant != "none" or \
+            cfg.reduce_quant != "none":
+        return None
+    options = [cfg.with_(reduce_quant="int8")]
+    if cfg.stage == 3:
+        options += [cfg.with_(gather_quant="int8"), cfg.with_(gather_quant="int8", reduce_quant="int8")]
+    good = [r for r in (evaluate(ctx, c) for c in options)
+            if r.fits and r.time.total <= best.time.total * (1 - QUANT_MARGIN)]
+    return min(good, key=lambda r: r.time.total) if good else None
 
 
 def nothing_fits(ctx: Context, rows: list[PlanRow]) -> str:

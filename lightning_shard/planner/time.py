@@ -38,6 +38,9 @@ from .traffic import Collective
 
 DEFAULT_EFFICIENCY = 0.4
 DEFAULT_BUS_EFFICIENCY = 0.8
+# memory traffic per element quantized or dequantized (``quant_seconds``): an assumption, ~6 element-wise passes over
+# 4-byte values in eager torch (core/quant.py), not a measured figure
+QUANT_BYTES_PER_ELEMENT = 24
 
 
 def training_flops_per_token(psi: float, shape: Optional[TransformerShape]) -> float:
@@ -75,11 +78,29 @@ def _pipeline(compute: list[float], comm: list[float], prefetch: bool) -> float:
     return exposed
 
 
+def quant_seconds(layout: PlannedLayout, cfg: StrategyConfig, colls: list[Collective], memory_bw: float) -> float:
+    """Time spent quantizing and dequantizing per step (``gather_quant`` / ``reduce_quant``): a quantized gather
+    quantizes the rank's shard and dequantizes the full unit, a quantized reduction quantizes the full bucket and
+    dequantizes and sums the N pieces of the rank's range, i.e. about one pass over the full buffer each side; each
+    element costs ``QUANT_BYTES_PER_ELEMENT`` of memory traffic (torch's element-wise passes: abs/max, scale,
+    round/clamp, cast, pack, and back), on the critical path (before a launch, after a wait)."""
+    numel = {b.index: b.padded_numel for b in layout.buckets}
+    n = 0
+    for c in colls:
+        quantized = ((c.kind == "unshard" and cfg.gather_quant != "none") or
+                     (c.kind == "grad" and cfg.reduce_quant != "none"))
+        if quantized and c.world > 1:
+            n += 2 * numel.get(c.bucket, 0)
+    return n * QUANT_BYTES_PER_ELEMENT / memory_bw
+
+
 def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[Collective],
               rings: dict[str, Ring], psi: float, shape: Optional[TransformerShape], peak_flops: float,
-              efficiency: float = DEFAULT_EFFICIENCY, bus_efficiency: float = DEFAULT_BUS_EFFICIENCY) -> StepTime:
+              efficiency: float = DEFAULT_EFFICIENCY, bus_efficiency: float = DEFAULT_BUS_EFFICIENCY,
+              memory_bw: float = 2e12) -> StepTime:
     tokens = job.micro_batch * job.seq
     t_mb = training_flops_per_token(psi, shape) * tokens / (peak_flops * efficiency)
+    t_quant = quant_seconds(layout, cfg, colls, memory_bw)
     t_fwd, t_bwd = t_mb / 3, 2 * t_mb / 3
 
     def sec(c: Collective) -> float:
@@ -100,7 +121,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
             red = [sec(c) for c in colls if c.micro_batch == m and c.kind == "grad"]
             if red:
                 exposed += max(sum(red) - t_bwd, red[-1])
-        return StepTime(t_mb * job.accumulation, exposed, total_comm)
+        return StepTime(t_mb * job.accumulation + t_quant, exposed, total_comm)
     # stage 3: units in forward order (root first: it is gathered around the step), compute by parameter share
     units = layout.units
     weight = [sum(b.numel for b in u.buckets) for u in units]
@@ -123,4 +144,4 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
         exposed += _pipeline([t_fwd * s for s in share], fwd, prefetch)
         order = list(reversed(range(len(units))))  # backward visits units in reverse
         exposed += _pipeline([t_bwd * share[u] for u in order], [bwd[u] for u in order], prefetch)
-    return StepTime(t_mb * job.accumulation, exposed, total_comm)
+    return StepTime(t_mb * job.accumulation + t_quant, exposed, total_comm)

@@ -11,8 +11,9 @@ after the step. Stage 3 (``core/param_shard.py``): every unit's buckets (frozen 
 and again in backward (``reshard_after_forward``), once per micro-batch without it, once per step with
 ``keep_params``; trainable buckets are reduce-scattered per micro-batch or at the boundary only. Hybrid:
 one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
-Step extras: used-mask all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping norm,
-buffer broadcast per dtype.
+``gather_quant`` / ``reduce_quant``: those gathers and reductions carry the quantized pieces' bytes (core/quant.py:
+integers + 4 bytes per ``quant_block`` elements per piece; reductions become all-to-alls). Step extras: used-mask
+all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping norm, buffer broadcast per dtype.
 
 Link classes: each collective's wire bytes are attributed to the slowest hop of the ring its group runs
 on (a ring runs at its slowest hop), classified as intra-island, inter-island or inter-node.
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from ..core.collectives import Ledger, ring_wire_bytes
+from ..core.quant import piece_bytes
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 
@@ -43,6 +45,7 @@ class Collective:
     kind: str  # grad | param | unshard | replicate | used_mask | found_inf | grad_norm | buffers
     phase: str  # forward | backward | boundary | step (for the overlap rules of time.py)
     micro_batch: int = 0
+    bucket: int = -1  # the layout bucket a gather or reduction is of (-1: a step collective)
 
     @property
     def wire_bytes(self) -> float:
@@ -88,13 +91,18 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
             for k in range(times):
                 for b in layout.buckets:
                     # parameter gathers run on a copy of the shard group of their own (core/engine.py: gather_group)
-                    out.append(Collective("all_gather", "gather", S, b.padded_numel * b.itemsize, "unshard",
-                                          "forward" if k == 0 else "backward", m))
+                    nbytes = (S * piece_bytes(cfg.gather_quant, cfg.quant_block, b.shard_numel)
+                              if cfg.gather_quant != "none" and S > 1 else b.padded_numel * b.itemsize)
+                    out.append(Collective("all_gather", "gather", S, nbytes, "unshard",
+                                          "forward" if k == 0 else "backward", m, b.index))
         if boundary or cfg.per_micro_batch:
             for b in layout.trainable:
                 rd = _reduce_dtype(cfg, b.dtype)
                 op = "all_reduce" if layout.stage == 0 else cfg.reduce_scatter_via
-                out.append(Collective(op, gname, S, b.padded_numel * _ITEMSIZE[rd], "grad", "backward", m))
+                nbytes = b.padded_numel * _ITEMSIZE[rd]
+                if cfg.reduce_quant != "none" and S > 1:  # quantized pieces in an all-to-all (core/quant.py)
+                    op, nbytes = "all_to_all", S * piece_bytes(cfg.reduce_quant, cfg.quant_block, b.shard_numel)
+                out.append(Collective(op, gname, S, nbytes, "grad", "backward", m, b.index))
         if boundary and hybrid:
             for b in layout.trainable:
                 rd = torch.float32 if cfg.per_micro_batch else _reduce_dtype(cfg, b.dtype)

@@ -165,7 +165,8 @@ class EngineAdapter:
                            gather_group=self._groups.gather, param_dtype=param_dtype,
                            offload_optimizer=self.offload_optimizer,
                            offload_params=getattr(self, "offload_params", False),
-                           reduce_scatter_via=self.reduce_scatter_via)
+                           reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
+                           reduce_quant=self.reduce_quant, quant_block=self.quant_block)
 
 
 __all__ = ["ATTRIBUTE_OF", "EngineAdapter"]

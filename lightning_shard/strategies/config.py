@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 
 from ..core.activation import validate_spec
 from ..core.config import MIN_UNIT_MB, parse_param_dtype, parse_reduce_dtype
+from ..core.quant import check_quant
 from .layout import validate_shard_size
 
 
@@ -78,6 +79,22 @@ class ZeroConfig:
         reduce-scatter 1.7-7x and, but for one size, the all-reduce 1.3-10x at 64 KiB-25 MiB on 2 and 4 ranks
         (bench/results/collectives.md), ``reduce_scatter`` on every other backend (NCCL). The ledger records the
         collective that runs.""", choices=("auto", "reduce_scatter", "all_reduce", "all_to_all"))
+    gather_quant: str = knob("none", """Compressed parameter all-gathers (zero3 / fsdp_shard; ZeRO++'s qwZ):
+        ``"int8"`` sends each rank's shard block-quantized (one fp32 scale per ``quant_block`` elements) in the gathers
+        of forward and backward: ~1/4 of fp32's bytes, ~1/2 of bf16's. The fp32 masters, the optimizer and what
+        ``state_dict()`` / the end of fit / ``gathered_params()`` give stay exact; forward and backward compute with
+        the quantized weights. ``"none"``: off (default). zero0-2 refuse it (their replicas are what you save).""",
+                             choices=("none", "int8"))
+    reduce_quant: str = knob("none", """Compressed gradient reductions (zero1-3, fsdp_shard; ZeRO++'s qgZ):
+        ``"int8"`` / ``"int4"`` quantize each rank's gradient bucket piece by piece (one fp32 scale per
+        ``quant_block`` elements) and send the pieces in an all-to-all; each rank sums its N pieces in fp32. Each rank
+        keeps what quantization lost and adds it to its next reduction (error feedback), so over many steps the applied
+        gradients sum to the computed ones; that residual costs 4 bytes per trainable parameter per rank (it is not
+        checkpointed: a resume starts it at zero). Bytes: ~1/4 (int8) or ~1/8 (int4) of fp32's. Not with
+        ``reduce_dtype`` or a ``reduce_scatter_via`` other than ``"auto"``/``"all_to_all"``; a world of one rank sends
+        nothing and quantizes nothing. ``"none"``: off (default).""", choices=("none", "int8", "int4"))
+    quant_block: int = knob(256, """Elements per quantization scale for ``gather_quant`` / ``reduce_quant`` (a
+        multiple of 8): smaller blocks, smaller error and more scale bytes (4 per block).""")
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
     broadcast_buffers: bool = knob(True, "Broadcast buffers (BatchNorm statistics) from rank 0 after every "
                                          "optimizer step.")
@@ -172,6 +189,10 @@ class ZeroConfig:
             if not _is_seconds(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         parse_reduce_dtype(self.reduce_dtype)  # also takes torch dtypes and long names ("bfloat16")
+        self._check_choice("gather_quant")
+        self._check_choice("reduce_quant")
+        check_quant(stage, self.gather_quant, self.reduce_quant, self.quant_block, self.reduce_dtype,
+                    self.reduce_scatter_via)
         parse_param_dtype(self.param_dtype)
         validate_shard_size(self.shard_size)
         if self.shard_size is not None and stage == 0:
