@@ -52,7 +52,8 @@ class Bucket:
                  replicate_group: C.Group = None, chunk_numel: int = 1 << 20, gather_group: C.Group = None,
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
                  offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
-                 gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK) -> None:
+                 gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
+                 error_feedback: bool = True) -> None:
         self.index, self.params, self.names = index, params, names
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
@@ -92,6 +93,7 @@ class Bucket:
         if reduce_quant != "none" and spec.reduce_scatters and spec.world > 1:
             self.reduce_q = Q.QuantLayout.of(reduce_quant, quant_block, self.layout.shard_numel)
         self.residual: Optional[torch.Tensor] = None  # reduce_quant: this rank's error not yet sent (fp32, full)
+        self.error_feedback = error_feedback
         self._gather_recv: Optional[torch.Tensor] = None  # gather_quant: every rank's quantized shard, in flight
         self._qsend: Optional[torch.Tensor] = None  # reduce_quant: this rank's quantized pieces, in flight
 
@@ -372,7 +374,8 @@ class Bucket:
             x.add_(self.residual)
         self._qsend = torch.empty(self.world, q.piece_bytes, dtype=torch.uint8, device=self.device)
         sent = Q.quantize(x.view(self.world, -1), q, self._qsend)
-        self.residual = x.view(self.world, -1).sub_(sent).view(-1)
+        if self.error_feedback:
+            self.residual = x.view(self.world, -1).sub_(sent).view(-1)
         self._pieces = torch.empty_like(self._qsend)
         if self.grad_buf.dtype == torch.float32 and not self.spec.frees_grads:
             self._out = self.grad_buf[self.shard_start:self.shard_end]  # stage 1: into its own range, as unquantized
@@ -501,7 +504,7 @@ class Bucket:
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
         out = {"params": nb(self.shard) if self.spec.shards_params else nb(self.flat_param),
                "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": master,
-               "accumulators": nb(self.accum)}
+               "accumulators": nb(self.accum), "error_feedback": nb(self.residual)}
         if self.spec.shards_params:
             out["gathered_params"] = nb(self.flat_param)
         if self.offload or self.offload_params:  # ``on_host``: the part of the above in host memory

@@ -51,7 +51,8 @@ class ShardEngine:
                  debug_collectives: bool = False, gather_group: C.Group = None,
                  param_dtype: Optional[str] = None, offload_optimizer: bool = False,
                  offload_params: bool = False, reduce_scatter_via: str = "auto", gather_quant: str = "none",
-                 reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK) -> None:
+                 reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
+                 quant_error_feedback: bool = True) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -78,6 +79,7 @@ class ShardEngine:
         self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
         self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
             stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
+        self.quant_error_feedback = bool(quant_error_feedback)
         first = next(module.parameters(), None)
         if self.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
@@ -174,7 +176,8 @@ class ShardEngine:
                       chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
                       offload=self.offload_optimizer, offload_params=self.offload_params,
                       reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
-                      reduce_quant=self.reduce_quant, quant_block=self.quant_block)
+                      reduce_quant=self.reduce_quant, quant_block=self.quant_block,
+                      error_feedback=self.quant_error_feedback)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters
@@ -341,7 +344,7 @@ class ShardEngine:
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""
         rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0,
-               "on_host": 0}
+               "error_feedback": 0, "on_host": 0}  # error_feedback: ``reduce_quant``'s residuals (core/bucket.py)
         bucketed = set()
         for b in self.buckets:
             for k, v in b.tensor_bytes().items():

@@ -64,6 +64,7 @@ class StrategyConfig:
     gather_quant: str = "none"
     reduce_quant: str = "none"
     quant_block: int = DEFAULT_BLOCK
+    quant_error_feedback: bool = True
 
     def __post_init__(self) -> None:
         if STAGE_OF.get(self.strategy) != self.stage:
@@ -105,6 +106,7 @@ class StrategyConfig:
         extra += ", offload" + (" all" if self.offload_params else "") if self.offload_optimizer else ""
         extra += f", {self.gather_quant} gathers" if self.gather_quant != "none" else ""
         extra += f", {self.reduce_quant} reductions" if self.reduce_quant != "none" else ""
+        extra += " without feedback" if self.reduce_quant != "none" and not self.quant_error_feedback else ""
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
@@ -129,7 +131,8 @@ class StrategyConfig:
             out["offload_params"] = True
         if self.reduce_scatter_via != "reduce_scatter":
             out["reduce_scatter_via"] = self.reduce_scatter_via
-        for knob, off in (("gather_quant", "none"), ("reduce_quant", "none"), ("quant_block", DEFAULT_BLOCK)):
+        for knob, off in (("gather_quant", "none"), ("reduce_quant", "none"), ("quant_block", DEFAULT_BLOCK),
+                          ("quant_error_feedback", True)):
             if getattr(self, knob) != off:
                 out[knob] = getattr(self, knob)
         return out

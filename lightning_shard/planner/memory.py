@@ -163,7 +163,7 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     window = job.accumulation > 1
     accum_held = st["accumulators"] if window else 0  # per_micro_batch: alive from the window's first reduction on
     persistent = st["params"] + st["master"] + st["optimizer_state"] + accum_held
-    if cfg.reduce_quant != "none":  # the error-feedback residual: fp32, every trainable element (core/bucket.py)
+    if cfg.reduce_quant != "none" and cfg.quant_error_feedback:  # the residual: fp32, every trainable element
         persistent += sum(b.padded_numel * 4 for b in layout.trainable if b.num_shards > 1)
     if cfg.offload_optimizer:  # host memory (``on_host``), not the device's: the masters and the optimizer state
         persistent -= st["master"] + st["optimizer_state"] + (st["params"] if cfg.offload_params else 0)

@@ -38,9 +38,11 @@ from .traffic import Collective
 
 DEFAULT_EFFICIENCY = 0.4
 DEFAULT_BUS_EFFICIENCY = 0.8
-# memory traffic per element quantized or dequantized (``quant_seconds``): an assumption, ~6 element-wise passes over
-# 4-byte values in eager torch (core/quant.py), not a measured figure
-QUANT_BYTES_PER_ELEMENT = 24
+# memory traffic per element (``quant_seconds``), counted from core/quant.py's eager torch passes, not measured:
+# quantize (cast, abs, amax, scale, round, clamp, dequantized copy, int8 cast, pack) ~64 bytes; dequantize (int8 to
+# fp32, scale, copy out) ~24; error feedback (the fp32 copy, the residual added and the new one) ~24. A fused kernel
+# (ZeRO++'s) moves ~3-6 bytes per element: these overstate its cost, not ours.
+QUANTIZE_BYTES, DEQUANTIZE_BYTES, FEEDBACK_BYTES = 64, 24, 24
 
 
 def training_flops_per_token(psi: float, shape: Optional[TransformerShape]) -> float:
@@ -81,17 +83,19 @@ def _pipeline(compute: list[float], comm: list[float], prefetch: bool) -> float:
 def quant_seconds(layout: PlannedLayout, cfg: StrategyConfig, colls: list[Collective], memory_bw: float) -> float:
     """Time spent quantizing and dequantizing per step (``gather_quant`` / ``reduce_quant``): a quantized gather
     quantizes the rank's shard and dequantizes the full unit, a quantized reduction quantizes the full bucket and
-    dequantizes and sums the N pieces of the rank's range, i.e. about one pass over the full buffer each side; each
-    element costs ``QUANT_BYTES_PER_ELEMENT`` of memory traffic (torch's element-wise passes: abs/max, scale,
-    round/clamp, cast, pack, and back), on the critical path (before a launch, after a wait)."""
+    dequantizes and sums the N pieces of the rank's range; each element costs the memory traffic of the constants
+    above, on the critical path (before a launch, after a wait)."""
     numel = {b.index: b.padded_numel for b in layout.buckets}
-    n = 0
+    traffic = 0.0
     for c in colls:
-        quantized = ((c.kind == "unshard" and cfg.gather_quant != "none") or
-                     (c.kind == "grad" and cfg.reduce_quant != "none"))
-        if quantized and c.world > 1:
-            n += 2 * numel.get(c.bucket, 0)
-    return n * QUANT_BYTES_PER_ELEMENT / memory_bw
+        n = numel.get(c.bucket, 0)
+        if c.world <= 1:
+            continue
+        if c.kind == "unshard" and cfg.gather_quant != "none":  # the rank's shard quantized, the unit dequantized
+            traffic += n / c.world * QUANTIZE_BYTES + n * DEQUANTIZE_BYTES
+        elif c.kind == "grad" and cfg.reduce_quant != "none":  # the bucket (+ residual) quantized, N pieces decoded
+            traffic += n * (QUANTIZE_BYTES + FEEDBACK_BYTES * cfg.quant_error_feedback) + n * DEQUANTIZE_BYTES
+    return traffic / memory_bw
 
 
 def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[Collective],

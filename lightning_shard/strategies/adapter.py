@@ -166,7 +166,8 @@ class EngineAdapter:
                            offload_optimizer=self.offload_optimizer,
                            offload_params=getattr(self, "offload_params", False),
                            reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
-                           reduce_quant=self.reduce_quant, quant_block=self.quant_block)
+                           reduce_quant=self.reduce_quant, quant_block=self.quant_block,
+                           quant_error_feedback=self.quant_error_feedback)
 
 
 __all__ = ["ATTRIBUTE_OF", "EngineAdapter"]

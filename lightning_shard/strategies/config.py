@@ -93,6 +93,10 @@ class ZeroConfig:
         checkpointed: a resume starts it at zero). Bytes: ~1/4 (int8) or ~1/8 (int4) of fp32's. Not with
         ``reduce_dtype`` or a ``reduce_scatter_via`` other than ``"auto"``/``"all_to_all"``; a world of one rank sends
         nothing and quantizes nothing. ``"none"``: off (default).""", choices=("none", "int8", "int4"))
+    quant_error_feedback: bool = knob(True, """``reduce_quant``: carry each rank's quantization error to its next
+        reduction (the long-run sum of applied gradients equals the computed one; 4 bytes per trainable parameter per
+        rank). ``False``: plain rounding, no residual memory; values below half a quantization step of their block are
+        lost every step (tests/distributed/test_quant_dist.py shows it).""")
     quant_block: int = knob(256, """Elements per quantization scale for ``gather_quant`` / ``reduce_quant`` (a
         multiple of 8): smaller blocks, smaller error and more scale bytes (4 per block).""")
     overlap: bool = knob(True, "Launch bucket reductions from gradient hooks during backward.")
@@ -193,6 +197,8 @@ class ZeroConfig:
         self._check_choice("reduce_quant")
         check_quant(stage, self.gather_quant, self.reduce_quant, self.quant_block, self.reduce_dtype,
                     self.reduce_scatter_via)
+        if self.quant_error_feedback not in (True, False):
+            raise ValueError(f"quant_error_feedback must be True or False, got {self.quant_error_feedback!r}")
         parse_param_dtype(self.param_dtype)
         validate_shard_size(self.shard_size)
         if self.shard_size is not None and stage == 0:

@@ -108,9 +108,25 @@ def test_zero3_zoo_frozen_and_tied_bytes_equal_ledger(worlds):
         assert _measured(res, 3) == want
 
 
+QUANT = [(1, "defer", {"reduce_quant": "int4"}), (2, "per_micro_batch", {"reduce_quant": "int8"}),
+         (3, "keep_unsharded_grads", {"gather_quant": "int8", "reduce_quant": "int8", "quant_block": 64}),
+         (3, "per_micro_batch", {"gather_quant": "int8", "wrap_classes": WRAP})]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage,policy,extra", QUANT, ids=[f"{s}-{p}-{'-'.join(e)}" for s, p, e in QUANT])
+def test_quantized_bytes_equal_ledger(worlds, world, stage, policy, extra):
+    """gather_quant / reduce_quant (issue 14): the planner's bytes (integers + 4 bytes of scale per block, per
+    piece) are what the ledger records, exactly, per micro-batch."""
+    acc = 3
+    model = "zoo" if stage < 3 else "tiny_lm"
+    results = worlds(world).run(fit_zero, stage, policy, acc, steps=STEPS, model=model, strategy_kwargs=extra)
+    _check(results, model, _cfg(stage, policy, **extra), world, acc)
+
+
 HYBRID = {"shard_size": "auto", "topology": "cpu_2x2"}
 HYBRID_CASES = [(2, "per_micro_batch", {}), (2, "defer", {}), (3, "keep_unsharded_grads", {"wrap_classes": WRAP}),
-                (3, "per_micro_batch", {})]
+                (3, "per_micro_batch", {}), (3, "per_micro_batch", {"gather_quant": "int8", "reduce_quant": "int8"})]
 
 
 @pytest.mark.parametrize("stage,policy,extra", HYBRID_CASES, ids=[f"{s}-{p}-{bool(e)}" for s, p, e in HYBRID_CASES])

@@ -12,9 +12,11 @@ from torch import nn
 
 from lightning_shard.core import collectives as C
 from lightning_shard.core import quant as Q
+from lightning_shard.core.bucket import Bucket
 from lightning_shard.core.config import UnitConfig
 from lightning_shard.core.engine import ShardEngine
 from lightning_shard.core.spec import ShardSpec
+from lightning_shard.core.state import GradState
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,11 @@ def ledger_of_one_step(stage: int, gather_quant: str, reduce_quant: str, acc: in
     entries = [(e.op, e.tag, e.bytes, e.wire_bytes, e.dtype) for e in C.LEDGER.since(mark)]
     shard_numel = {f"bucket{b.index}": b.layout.shard_numel for b in engine.buckets}
     trainable = [f"bucket{b.index}" for b in engine.buckets if b.trainable]
+    residual = engine.memory_report()["error_feedback"]
+    full = sum(b.layout.padded_numel for b in engine.buckets if b.trainable)
     engine.remove_hooks()
-    return {"entries": entries, "shard_numel": shard_numel, "trainable": trainable}
+    return {"entries": entries, "shard_numel": shard_numel, "trainable": trainable, "residual": residual,
+            "full": full}
 
 
 @pytest.mark.parametrize("stage,gq,rq", [(3, "int8", "int8"), (3, "int8", "none"), (3, "none", "int4"),
@@ -88,6 +93,8 @@ def test_ledger_bytes_are_the_quantized_payload_plus_scales(w, stage, gq, rq):
     acc = 2
     out = w.run(ledger_of_one_step, stage, gq, rq, acc)[0]
     entries, shard_numel = out["entries"], out["shard_numel"]
+    # error feedback keeps one fp32 residual per trainable element, reported by the engine's memory report
+    assert out["residual"] == (4 * out["full"] if rq != "none" else 0)
     grads = [e for e in entries if e[1].startswith("grad_")]
     gathers = [e for e in entries if e[1].startswith("unshard_")]
     assert {e[1].removeprefix("grad_") for e in grads} == set(out["trainable"])  # one reduction per bucket per step
@@ -161,9 +168,9 @@ def error_feedback_sums(reduce_quant: str, steps: int, feedback: bool) -> dict[s
     of the true average."""
     rank, world = C.get_rank(), C.get_world_size()
     p = nn.Parameter(torch.zeros(512))
-    b = __import__("lightning_shard.core.bucket", fromlist=["Bucket"]).Bucket(
+    b = Bucket(
         0, [p], ["w"], 0, [0], spec=ShardSpec(2, world), rank=rank, group=None, reduce_scatter_path="all_to_all",
-        reduce_quant=reduce_quant, quant_block=64)
+        reduce_quant=reduce_quant, quant_block=64, error_feedback=feedback)
     g = torch.Generator().manual_seed(7 + rank)
     applied = torch.zeros(b.owned_numel)
     true = torch.zeros(512)
@@ -172,16 +179,14 @@ def error_feedback_sums(reduce_quant: str, steps: int, feedback: bool) -> dict[s
         grad[::64] = 1.0  # the block's absmax: a step of 1/127 (int8) or 1/7 (int4)
         b.attach_grads()
         b.grad_buf.copy_(grad)
-        if not feedback:
-            b.residual = None
         b.launch_reduce(torch.float32, async_op=True)
         b.finish_reduce(boundary=True, accumulate=False)
         applied += b.shard_param.grad
-        b.set_state(__import__("lightning_shard.core.state", fromlist=["GradState"]).GradState.EMPTY)
+        b.set_state(GradState.EMPTY)
         mean = grad.clone()
         C.all_reduce(mean, tag="test_true")
         true += mean / world
-    return {"applied": applied, "true": true[b.own_lo:b.own_hi], "residual": b.residual}
+    return {"applied": applied, "true": true[b.own_lo:b.own_hi], "residual_bytes": b.tensor_bytes()["error_feedback"]}
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -197,6 +202,7 @@ def test_error_feedback_keeps_the_long_run_sum_of_applied_gradients_equal_to_the
         # without feedback the small values are rounded away every step: their whole sum (~0.1 here) is lost
         small = torch.arange(r["applied"].numel()) % 64 != 0
         assert bool((r["applied"][small] == 0).all())
+        assert r["residual_bytes"] == 0  # quant_error_feedback=False keeps no residual
         assert r["true"][small].min().item() > 0.05
 
 
