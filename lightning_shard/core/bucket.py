@@ -53,7 +53,7 @@ class Bucket:
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
                  offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
                  gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True, secondary_group: C.Group = None) -> None:
         self.index, self.params, self.names = index, params, names
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
@@ -96,6 +96,17 @@ class Bucket:
         self.error_feedback = error_feedback
         self._gather_recv: Optional[torch.Tensor] = None  # gather_quant: every rank's quantized shard, in flight
         self._qsend: Optional[torch.Tensor] = None  # reduce_quant: this rank's quantized pieces, in flight
+        # hpZ (``secondary_shard``): after the first gather of an optimizer window this rank keeps its island's
+        # share of the gathered buffer (1/I of it); the bucket's other gathers until the step run in the island
+        self.secondary_group = secondary_group if spec.shards_params else None
+        self.secondary: Optional[torch.Tensor] = None
+        self._gather_exact = False  # the gather in flight is an exact one (export, end of fit)
+        if self.secondary_group is not None:
+            self._sec_world = C.get_world_size(self.secondary_group)
+            self._sec_rank = C.get_rank(self.secondary_group)
+            if self.layout.padded_numel % self._sec_world:
+                raise ValueError(f"bucket {index}: {self.layout.padded_numel} padded elements do not split over "
+                                 f"islands of {self._sec_world} ranks")
 
         self.flat_param: Optional[torch.Tensor] = None
         self._full: Optional[torch.Tensor] = None  # stage 3: the full buffer whose storage unshard/reshard resize
@@ -206,6 +217,12 @@ class Bucket:
             self._full.untyped_storage().resize_(self.layout.padded_numel * self.itemsize)
         self.flat_param = self._full
         self.gauge.add(self.layout.padded_numel * self.itemsize)
+        self._gather_exact = exact
+        if self.secondary is not None and not (exact and self.gather_q is not None):
+            with label("gather_launch"):  # hpZ: inside the island, from the copies kept at the window's first gather
+                self._gather_work = C.all_gather(self.flat_param, self.secondary, group=self.secondary_group,
+                                                 async_op=async_op, tag=f"unshard_bucket{self.index}")
+            return
         src = self.shard
         if self.offload_params:  # host shard: to the device first (a fresh staging buffer, freed after the gather)
             src = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device).copy_(self.shard,
@@ -253,9 +270,16 @@ class Bucket:
         if self._gather_recv is not None:
             recv, self._gather_recv = self._gather_recv, None
             Q.dequantize(recv.view(self.world, -1), self.gather_q, self.flat_param.view(self.world, -1))
+        if self.secondary_group is not None and self.secondary is None and not self._gather_exact:
+            n = self.layout.padded_numel // self._sec_world
+            self.secondary = self.flat_param[self._sec_rank * n:(self._sec_rank + 1) * n].clone()
         for p, view in zip(self.params, slot_views(self.layout, self.flat_param)):
             p.data = view
         self.param_state = param_transition(self.param_state, ParamState.UNSHARDED, f"bucket {self.index}")
+
+    def drop_secondary(self) -> None:
+        """The shards are about to change (the optimizer step, a checkpoint load): the island copies are stale."""
+        self.secondary = None
 
     def reshard(self) -> None:
         """Free the full parameters; module parameters become empty placeholders (gradients stay in grad_buf)."""
@@ -279,6 +303,7 @@ class Bucket:
         self.flat_param = None
         self._full = None  # the module owns that storage now: never resized again
         self.shard = None
+        self.secondary = None
 
     # ------------------------------------------------------------------ gradients
     def expect_grads(self) -> None:
@@ -375,7 +400,9 @@ class Bucket:
         self._qsend = torch.empty(self.world, q.piece_bytes, dtype=torch.uint8, device=self.device)
         sent = Q.quantize(x.view(self.world, -1), q, self._qsend)
         if self.error_feedback:
-            self.residual = x.view(self.world, -1).sub_(sent).view(-1)
+            # a non-finite gradient (an fp16 overflow, a step skip_nonfinite skips) leaves no error to carry: without
+            # this a nan would stay in the residual and poison every later reduction
+            self.residual = x.view(self.world, -1).sub_(sent).view(-1).nan_to_num_(0.0, 0.0, 0.0)
         self._pieces = torch.empty_like(self._qsend)
         if self.grad_buf.dtype == torch.float32 and not self.spec.frees_grads:
             self._out = self.grad_buf[self.shard_start:self.shard_end]  # stage 1: into its own range, as unquantized
@@ -504,7 +531,8 @@ class Bucket:
         aliased = aliased or (shard_grad is not None and shard_grad is self.accum)
         out = {"params": nb(self.shard) if self.spec.shards_params else nb(self.flat_param),
                "grads": nb(self.grad_buf) + (0 if aliased else nb(shard_grad)), "master": master,
-               "accumulators": nb(self.accum), "error_feedback": nb(self.residual)}
+               "accumulators": nb(self.accum), "error_feedback": nb(self.residual),
+               "secondary_params": nb(self.secondary)}
         if self.spec.shards_params:
             out["gathered_params"] = nb(self.flat_param)
         if self.offload or self.offload_params:  # ``on_host``: the part of the above in host memory

@@ -52,7 +52,7 @@ class ShardEngine:
                  param_dtype: Optional[str] = None, offload_optimizer: bool = False,
                  offload_params: bool = False, reduce_scatter_via: str = "auto", gather_quant: str = "none",
                  reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
-                 quant_error_feedback: bool = True) -> None:
+                 quant_error_feedback: bool = True, secondary_group: C.Group = None) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -80,6 +80,10 @@ class ShardEngine:
         self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
             stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
         self.quant_error_feedback = bool(quant_error_feedback)
+        if secondary_group is not None and not self.spec.shards_params:
+            raise ValueError("secondary_shard (hpZ) keeps island copies of gathered parameters: it needs parameter "
+                             "sharding (zero3 or fsdp_shard)")
+        self.secondary_group = secondary_group
         first = next(module.parameters(), None)
         if self.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
@@ -177,7 +181,7 @@ class ShardEngine:
                       offload=self.offload_optimizer, offload_params=self.offload_params,
                       reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
                       reduce_quant=self.reduce_quant, quant_block=self.quant_block,
-                      error_feedback=self.quant_error_feedback)
+                      error_feedback=self.quant_error_feedback, secondary_group=self.secondary_group)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters
@@ -344,7 +348,8 @@ class ShardEngine:
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""
         rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0,
-               "error_feedback": 0, "on_host": 0}  # error_feedback: ``reduce_quant``'s residuals (core/bucket.py)
+               "error_feedback": 0, "secondary_params": 0, "on_host": 0}
+        # error_feedback: ``reduce_quant``'s residuals; secondary_params: ``secondary_shard``'s island copies
         bucketed = set()
         for b in self.buckets:
             for k, v in b.tensor_bytes().items():

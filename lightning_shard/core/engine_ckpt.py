@@ -115,6 +115,7 @@ def load_pieces(engine: "ShardEngine", reader: Reader, params: bool, optimizer: 
 
 
 def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
+    b.drop_secondary()  # hpZ's island copies hold the values before the load
     with torch.no_grad():
         for slot, p in zip(b.layout.slots, b.params):
             name = aliases[id(p)][0]

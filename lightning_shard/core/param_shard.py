@@ -323,6 +323,8 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             if u.state is ParamState.GATHERING:
                 u.wait()
             u.reshard()
+            for b in u.buckets:
+                b.drop_secondary()
 
     @contextmanager
     def full_params(self) -> Iterator[None]:

@@ -48,6 +48,7 @@ def load_full(module: nn.Module, buckets: list[Bucket], state: dict[str, torch.T
     initialise fp32 masters from fp32 tensors so their precision survives a resume."""
     aliases, missing = param_aliases(module), []
     for b in buckets:
+        b.drop_secondary()  # hpZ's island copies hold the values before the load
         if masters_only and b.master is None:
             continue
         flat = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)

@@ -65,6 +65,7 @@ class StrategyConfig:
     reduce_quant: str = "none"
     quant_block: int = DEFAULT_BLOCK
     quant_error_feedback: bool = True
+    secondary_shard: Optional[int] = None  # hpZ: ranks per island holding the secondary copies (None: off)
 
     def __post_init__(self) -> None:
         if STAGE_OF.get(self.strategy) != self.stage:
@@ -83,6 +84,10 @@ class StrategyConfig:
                              f"plans one backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
         check_quant(self.stage, self.gather_quant, self.reduce_quant, self.quant_block, self.reduce_dtype,
                     "auto" if self.reduce_scatter_via == "reduce_scatter" else self.reduce_scatter_via)
+        if self.secondary_shard is not None and (self.stage != 3 or self.shard_size is not None or
+                                                 not isinstance(self.secondary_shard, int) or self.secondary_shard < 2):
+            raise ValueError(f"secondary_shard={self.secondary_shard!r}: an island size >= 2, for stage 3 without "
+                             "shard_size")
         if self.shard_size is not None and self.stage == 0:
             raise ValueError("zero0 replicates everything: a shard_size (hybrid sharding) needs stage 2 or 3")
 
@@ -107,6 +112,7 @@ class StrategyConfig:
         extra += f", {self.gather_quant} gathers" if self.gather_quant != "none" else ""
         extra += f", {self.reduce_quant} reductions" if self.reduce_quant != "none" else ""
         extra += " without feedback" if self.reduce_quant != "none" and not self.quant_error_feedback else ""
+        extra += f", hpZ x{self.secondary_shard}" if self.secondary_shard else ""
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
@@ -132,7 +138,7 @@ class StrategyConfig:
         if self.reduce_scatter_via != "reduce_scatter":
             out["reduce_scatter_via"] = self.reduce_scatter_via
         for knob, off in (("gather_quant", "none"), ("reduce_quant", "none"), ("quant_block", DEFAULT_BLOCK),
-                          ("quant_error_feedback", True)):
+                          ("quant_error_feedback", True), ("secondary_shard", None)):
             if getattr(self, knob) != off:
                 out[knob] = getattr(self, knob)
         return out

@@ -81,7 +81,7 @@ def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
                          cfg.wrap_classes if cfg.wrap_classes is not None else "auto", cfg.min_params,
                          param_dtype=job.param_dtype, min_unit_mb=cfg.min_unit_mb)
     colls = step_collectives(layout, cfg, job, ctx.buffers, num_optimizers=len(ctx.groups))
-    rings = ctx.placement.groups(cfg.shard_size)
+    rings = ctx.placement.groups(cfg.shard_size, cfg.secondary_shard)
     memory = peak_bytes(layout, cfg, job, int(ctx.activations))
     states = state_bytes(layout, cfg, job)
     t = step_time(layout, cfg, job, colls, rings, ctx.psi, ctx.shape, ctx.device.peak_flops, ctx.efficiency,

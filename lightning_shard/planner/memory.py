@@ -165,6 +165,8 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
     persistent = st["params"] + st["master"] + st["optimizer_state"] + accum_held
     if cfg.reduce_quant != "none" and cfg.quant_error_feedback:  # the residual: fp32, every trainable element
         persistent += sum(b.padded_numel * 4 for b in layout.trainable if b.num_shards > 1)
+    if cfg.secondary_shard:  # hpZ: 1/I of every unit, from its first gather to the step (counted as held throughout)
+        persistent += sum(b.padded_numel // cfg.secondary_shard * b.itemsize for b in layout.buckets)
     if cfg.offload_optimizer:  # host memory (``on_host``), not the device's: the masters and the optimizer state
         persistent -= st["master"] + st["optimizer_state"] + (st["params"] if cfg.offload_params else 0)
     grad_full = sum(b.padded_numel * b.itemsize for b in layout.trainable)

@@ -45,8 +45,9 @@ class JobPlacement:
         cls = "inter-node" if len(nodes) > 1 else ("inter-island" if len(islands) > 1 else "intra-island")
         return Ring(len(devs), gbps, max(h.latency_us for h in hops), cls)
 
-    def groups(self, shard_size: Optional[int]) -> dict[str, Ring]:
-        """The rings of rank 0's world, shard and replicate groups (all groups of a kind are alike here)."""
+    def groups(self, shard_size: Optional[int], island: Optional[int] = None) -> dict[str, Ring]:
+        """The rings of rank 0's world, shard and replicate groups (all groups of a kind are alike here); with
+        ``island`` (``secondary_shard``) the slowest island group of that many consecutive ranks."""
         n = self.world
         s = shard_size or n
         out = {"world": self.ring(range(n))}
@@ -56,6 +57,8 @@ class JobPlacement:
             out["shard"] = min(shard, key=lambda r: r.gbps)
             out["replicate"] = min(repl, key=lambda r: r.gbps)
         out["gather"] = out.get("shard", out["world"])  # stage 3's parameter gathers: a copy of the shard group
+        if island:
+            out["island"] = min((self.ring(range(k, k + island)) for k in range(0, n, island)), key=lambda r: r.gbps)
         return out
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from ..topology import Topology
 from ..topology.presets import resolve as resolve_topology
 from .config import Job, StrategyConfig, batch_split, check_precision
-from .evaluate import Context, PlanRow, candidates, evaluate, make_context
+from .evaluate import Context, PlanRow, candidates, evaluate, island_shard_size, make_context
 from .hardware import DeviceSpec, device_spec
 from .layout import groups_of
 from .placement import place
@@ -97,7 +97,7 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
     quantized = quantized_variant(ctx, best) if configs is None else None
     if quantized is not None:  # compressed communication pays: the exact row becomes the runner-up
         rows.append(quantized)
-        lead = (f"{lead} as {best.label}, with quantized communication predicted "
+        lead = (f"{lead} as {best.label}, with compressed communication predicted "
                 f"{1 - quantized.time.total / best.time.total:.0%} faster (>= {QUANT_MARGIN:.0%} required)")
         best, runner = quantized, best
     reason = (f"{best.label}: {lead} ({best.time.total:.3f} s/step, {_gib(best.memory['total'])} of "
@@ -110,7 +110,8 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
 
 
 def quantized_variant(ctx: Context, best: PlanRow) -> Optional[PlanRow]:
-    """The fastest of ``best`` with int8 gathers (stage 3), int8 reductions (stages 1-3) or both, if it fits and is
+    """The fastest of ``best`` with int8 gathers (stage 3), int8 reductions (stages 1-3), both, and (stage 3 on a
+    machine of several islands) each of these with hpZ island copies (``secondary_shard``), if it fits and is
     predicted at least ``QUANT_MARGIN`` faster than ``best`` itself; else None. Quantization changes the numbers a
     model trains with (docs/compression.md), so it is taken only for a clear gain."""
     cfg = best.config
@@ -120,6 +121,9 @@ def quantized_variant(ctx: Context, best: PlanRow) -> Optional[PlanRow]:
     options = [cfg.with_(reduce_quant="int8")]
     if cfg.stage == 3:
         options += [cfg.with_(gather_quant="int8"), cfg.with_(gather_quant="int8", reduce_quant="int8")]
+        island = island_shard_size(ctx.placement)
+        if island and not cfg.shard_size and not cfg.secondary_shard:  # hpZ: exact, but it costs memory
+            options += [o.with_(secondary_shard=island) for o in [cfg, *options]]
     good = [r for r in (evaluate(ctx, c) for c in options)
             if r.fits and r.time.total <= best.time.total * (1 - QUANT_MARGIN)]
     return min(good, key=lambda r: r.time.total) if good else None

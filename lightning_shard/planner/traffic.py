@@ -11,9 +11,11 @@ after the step. Stage 3 (``core/param_shard.py``): every unit's buckets (frozen 
 and again in backward (``reshard_after_forward``), once per micro-batch without it, once per step with
 ``keep_params``; trainable buckets are reduce-scattered per micro-batch or at the boundary only. Hybrid:
 one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
-``gather_quant`` / ``reduce_quant``: those gathers and reductions carry the quantized pieces' bytes (core/quant.py:
-integers + 4 bytes per ``quant_block`` elements per piece; reductions become all-to-alls). Step extras: used-mask
-all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping norm, buffer broadcast per dtype.
+``secondary_shard`` (hpZ): a bucket's first gather of the step is on the gather group, its others on the island
+group, from the kept copies (exact bytes). ``gather_quant`` / ``reduce_quant``: those gathers and reductions carry
+the quantized pieces' bytes (core/quant.py: integers + 4 bytes per ``quant_block`` elements per piece; reductions
+become all-to-alls). Step extras: used-mask all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping
+norm, buffer broadcast per dtype.
 
 Link classes: each collective's wire bytes are attributed to the slowest hop of the ring its group runs
 on (a ring runs at its slowest hop), classified as intra-island, inter-island or inter-node.
@@ -90,11 +92,15 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 times = 2 if cfg.reshard_after_forward else 1
             for k in range(times):
                 for b in layout.buckets:
+                    phase = "forward" if k == 0 else "backward"
+                    if cfg.secondary_shard and (m, k) != (0, 0):  # hpZ: after the window's first gather, the island
+                        out.append(Collective("all_gather", "island", cfg.secondary_shard, b.padded_numel * b.itemsize,
+                                              "unshard", phase, m, b.index))
+                        continue
                     # parameter gathers run on a copy of the shard group of their own (core/engine.py: gather_group)
                     nbytes = (S * piece_bytes(cfg.gather_quant, cfg.quant_block, b.shard_numel)
                               if cfg.gather_quant != "none" and S > 1 else b.padded_numel * b.itemsize)
-                    out.append(Collective("all_gather", "gather", S, nbytes, "unshard",
-                                          "forward" if k == 0 else "backward", m, b.index))
+                    out.append(Collective("all_gather", "gather", S, nbytes, "unshard", phase, m, b.index))
         if boundary or cfg.per_micro_batch:
             for b in layout.trainable:
                 rd = _reduce_dtype(cfg, b.dtype)

@@ -103,7 +103,7 @@ class EngineAdapter:
             C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
         topology = resolve_topology(self.topology_spec, self.num_processes)
         self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
-                                   self.stage, self._timeout)
+                                   self.stage, self._timeout, getattr(self, "secondary_shard", None))
         shard = self._groups.axes["shard"] if self._groups.axes else None
         self.placement_warning = check_job_placement(topology, self.num_processes, self.stage, shard,
                                                      self.strict_placement)
@@ -167,7 +167,7 @@ class EngineAdapter:
                            offload_params=getattr(self, "offload_params", False),
                            reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
                            reduce_quant=self.reduce_quant, quant_block=self.quant_block,
-                           quant_error_feedback=self.quant_error_feedback)
+                           quant_error_feedback=self.quant_error_feedback, secondary_group=self._groups.island)
 
 
 __all__ = ["ATTRIBUTE_OF", "EngineAdapter"]

@@ -75,7 +75,7 @@ class AutoStrategy(Zero3Strategy):
         if rec.kwargs.get("shard_size"):
             topology = resolve_topology(self.topology_spec, self.num_processes)
             self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
-                                       self.stage, self._timeout)
+                                       self.stage, self._timeout, getattr(self, "secondary_shard", None))
         rank_zero_info(f"lightning_shard strategy=auto chose {rec.strategy_name} ({rec.reason})")
         for row in rec.table:
             rank_zero_info("  " + ", ".join(f"{k}={v}" for k, v in row.items() if not isinstance(v, dict)))

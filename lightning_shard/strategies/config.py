@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from ..core.activation import validate_spec
 from ..core.config import MIN_UNIT_MB, parse_param_dtype, parse_reduce_dtype
 from ..core.quant import check_quant
-from .layout import validate_shard_size
+from .layout import validate_secondary_shard, validate_shard_size
 
 
 def knob(default: Any, doc: str, *, choices: Optional[tuple] = None, hydra: bool = True) -> Any:
@@ -240,6 +240,13 @@ class Zero3Config(ZeroConfig):
     offload_params: bool = knob(False, """ZeRO-Offload of the parameters too (with ``offload_optimizer=True``): each
         unit's persistent shard lives in host memory (pinned on CUDA) and is copied to the device just before its
         all-gather, so the accelerator holds only the gathered units (and gradients in flight).""")
+    secondary_shard: Union[None, int, str] = knob(None, """hpZ (ZeRO++): after a unit's first all-gather of an
+        optimizer step (over every rank), each rank keeps its 1/I of the gathered unit, I the ranks of its island, so
+        that the unit's other gathers until the optimizer step (backward, later micro-batches) run inside the island
+        only: ``"island"`` takes I from ``topology``'s islands, an integer I groups consecutive ranks. Costs 1/I of
+        every unit's full bytes per rank, held from its first gather to the optimizer step; the values are the
+        first gather's (with ``gather_quant``, its dequantized ones). ``None``: off. Not with ``shard_size``
+        (hybrid sharding keeps every gather inside the shard group already).""")
     param_init_fn: Optional[Callable] = _param_init_fn()
     min_unit_mb: float = knob(MIN_UNIT_MB, """zero3: a module whose unit would hold fewer MiB of parameters than this
         joins the unit of the module enclosing it (a block then holds its layer norms and small projections: one
@@ -271,6 +278,7 @@ class Zero3Config(ZeroConfig):
         self.min_unit_mb = float(self.min_unit_mb)
         if self.offload_params not in (True, False):
             raise ValueError(f"offload_params must be True or False, got {self.offload_params!r}")
+        validate_secondary_shard(self.secondary_shard, self.shard_size)
         if self.offload_params and self.offload_optimizer is not True:
             raise ValueError("offload_params=True keeps the parameter shards in host memory, where the optimizer "
                              "steps them: set offload_optimizer=True too")

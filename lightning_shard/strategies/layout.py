@@ -26,6 +26,7 @@ class Groups:
     replicate: C.Group = None  # None: no replication (plain sharding)
     axes: Optional[dict[str, int]] = None
     gather: C.Group = None  # stage 3: a copy of the shard group for parameter all-gathers (None: the engine makes one)
+    island: C.Group = None  # stage 3 ``secondary_shard`` (hpZ): this rank's island, for the gathers after the first
 
 
 def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
@@ -42,12 +43,52 @@ def validate_shard_size(shard_size: Union[None, int, str]) -> None:
                          f"a positive integer, got {shard_size!r}")
 
 
+def validate_secondary_shard(secondary: Union[None, int, str], shard_size: Union[None, int, str] = None) -> None:
+    if secondary is None:
+        return
+    if secondary != "island" and (isinstance(secondary, bool) or not isinstance(secondary, int) or secondary < 2):
+        raise ValueError(f"secondary_shard must be None (off), 'island' (the topology's island size) or an integer "
+                         f">= 2 (ranks per island), got {secondary!r}")
+    if shard_size is not None:
+        raise ValueError(f"secondary_shard={secondary!r} with shard_size={shard_size!r}: hybrid sharding already "
+                         "keeps every parameter gather inside its shard group; use one of them")
+
+
+def island_groups(secondary: Union[int, str], topology: Optional[Topology], world: int,
+                  num_nodes: int) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each island for ``secondary_shard`` (consecutive ranks, as the shard groups of hybrid
+    sharding are)."""
+    if secondary == "island":
+        if topology is None:
+            raise ValueError("secondary_shard='island' takes the island size from a topology: pass topology=<preset "
+                             "name, capture file or 'detect'>, or an integer secondary_shard")
+        groups = build_layout(topology, world, nodes=num_nodes, hybrid=True).shard_groups
+    else:
+        if world % secondary or secondary >= world:
+            raise ValueError(f"secondary_shard={secondary} must divide the world size {world} and be smaller than it "
+                             f"(islands of {secondary} ranks); use one of "
+                             f"{[d for d in range(2, world) if world % d == 0] or 'none: the world is too small'}")
+        groups = tuple(tuple(range(s, s + secondary)) for s in range(0, world, secondary))
+    if len(groups) < 2:
+        raise ValueError(f"secondary_shard: one island of {world} ranks is the whole world, where the first gather "
+                         "already runs: drop secondary_shard")
+    return groups
+
+
 def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology], world: int, num_nodes: int,
-                rank: int, stage: int = 2, timeout: Optional[timedelta] = None) -> Groups:
+                rank: int, stage: int = 2, timeout: Optional[timedelta] = None,
+                secondary: Union[None, int, str] = None) -> Groups:
     """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to; at
-    stage 3 also a copy of each shard group for parameter all-gathers. ``timeout``: their collective timeout."""
+    stage 3 also a copy of each shard group for parameter all-gathers, and with ``secondary`` (``secondary_shard``)
+    the island groups. ``timeout``: their collective timeout."""
     if shard_size is None:
-        return Groups(gather=C.duplicate_group(None, "gather", timeout) if stage == 3 and world > 1 else None)
+        mine = Groups(gather=C.duplicate_group(None, "gather", timeout) if stage == 3 and world > 1 else None)
+        if secondary is not None and stage == 3:
+            for ranks in island_groups(secondary, topology, world, num_nodes):
+                g = C.new_group(list(ranks), "island", timeout)
+                if rank in ranks:
+                    mine.island = g
+        return mine
     if shard_size == "auto":
         if topology is None:
             raise ValueError("shard_size='auto' takes the island size from a topology: pass topology=<preset name, "

@@ -124,6 +124,20 @@ def test_quantized_bytes_equal_ledger(worlds, world, stage, policy, extra):
     _check(results, model, _cfg(stage, policy, **extra), world, acc)
 
 
+HPZ = [("per_micro_batch", {}), ("keep_unsharded_grads", {"wrap_classes": WRAP}),
+       ("keep_unsharded_grads", {"gather_quant": "int8", "reduce_quant": "int4"}), ("keep_params", {})]
+
+
+@pytest.mark.parametrize("policy,extra", HPZ, ids=[f"{p}-{'-'.join(e)}" for p, e in HPZ])
+def test_secondary_shard_bytes_equal_ledger(worlds, policy, extra):
+    """hpZ (``secondary_shard=2`` on 4 ranks): the window's first gather of each bucket on the gather group, the
+    others on the island group, as the planner says, exactly."""
+    acc = 3
+    results = worlds(4).run(fit_zero, 3, policy, acc, steps=STEPS, model="tiny_lm",
+                            strategy_kwargs=dict(extra, secondary_shard=2))
+    _check(results, "tiny_lm", _cfg(3, policy, secondary_shard=2, **extra), 4, acc)
+
+
 HYBRID = {"shard_size": "auto", "topology": "cpu_2x2"}
 HYBRID_CASES = [(2, "per_micro_batch", {}), (2, "defer", {}), (3, "keep_unsharded_grads", {"wrap_classes": WRAP}),
                 (3, "per_micro_batch", {}), (3, "per_micro_batch", {"gather_quant": "int8", "reduce_quant": "int8"})]

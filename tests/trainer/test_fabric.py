@@ -241,3 +241,18 @@ def test_a_compiled_whole_model_trains_like_eager(world, ref, name):
         assert out["graph_breaks"] > 0 and out["frames"] > 1
         ours = ("ForwardHooks.", "ParamShardController.")
         assert all("torch.compiler.disable()" in r and any(o in r for o in ours) for r in out["break_reasons"]), out
+
+
+@pytest.mark.parametrize("name,knobs,tol", [
+    ("zero3", {"gather_quant": "int8", "reduce_quant": "int8"}, 6e-3),
+    ("fsdp_shard", {"reduce_quant": "int4"}, 4e-3),
+    ("zero2", {"reduce_quant": "int8"}, 3e-4),
+])
+def test_compressed_communication_under_fabric(world, ref, name, knobs, tol):
+    """gather_quant / reduce_quant reach the engine through Fabric too: close to one process (the bounds of
+    tests/trainer/test_quant_lightning.py), not equal to it, and the same weights on both ranks."""
+    expected, _ = ref("torch_lm", optimizer="sgd")
+    outs = world.run(fs.fabric_fit, name, ACC, STEPS, model="torch_lm", optimizer="sgd", knobs=knobs)
+    d = max_diff(outs[0]["state"], expected)
+    assert 1e-7 < d < tol, d
+    assert max_diff(outs[0]["state"], outs[1]["state"]) == 0.0

@@ -97,3 +97,18 @@ def test_reduce_quant_refuses_reduce_dtype_and_a_path_that_sums_on_the_way():
     with pytest.raises(ValueError, match="integers cannot be summed on the way"):
         Q.check_quant(3, "none", "int4", 256, None, "reduce_scatter")
     assert Q.check_quant(1, "none", "int4", 64, None, "all_to_all") == ("none", "int4", 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_quantizes_to_the_same_bytes_as_the_cpu(kind):
+    """What one rank quantizes on a GPU, another decodes to the same values (the byte layout is device-free)."""
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)) * 3
+    q = Q.QuantLayout.of(kind, 256, 5000)
+    cpu, gpu = torch.empty(3, q.piece_bytes, dtype=torch.uint8), torch.empty(3, q.piece_bytes, dtype=torch.uint8,
+                                                                            device="cuda")
+    Q.quantize(x, q, cpu)
+    Q.quantize(x.cuda(), q, gpu)
+    assert torch.equal(cpu, gpu.cpu())
+    back = Q.dequantize(gpu, q, torch.empty(3, 5000, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(back.cpu(), Q.dequantize(cpu, q, torch.empty(3, 5000, dtype=torch.bfloat16)))
