@@ -152,6 +152,11 @@ class EngineAdapter:
 
     def _new_engine(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], policy: str,
                     deferred: Any, param_dtype: Optional[str]) -> ShardEngine:
+        if getattr(self, "secondary_shard", None) is not None and self._groups.island is None and \
+                self.stage == 3 and self.world_size > 1:
+            raise RuntimeError(f"secondary_shard={self.secondary_shard!r} is set but no island process groups were "
+                               "made (a bug: the groups are made in setup_environment, or by strategy=auto when its "
+                               "planned row asks for them); refusing to train without the islands silently")
         return ShardEngine(module, optimizers, stage=self.stage, bucket_mb=self.bucket_mb,
                            reduce_dtype=self.reduce_dtype, accumulation=policy, overlap=self.overlap,
                            broadcast_buffers=self.broadcast_buffers,

@@ -54,7 +54,7 @@ class AutoStrategy(Zero3Strategy):
 
     def apply(self, rec: Any) -> None:
         """Become the recommended strategy: its stage, unit granularity and every knob of the planned row
-        (the hybrid process groups are made by ``_choose``, collectively)."""
+        (the hybrid and island process groups are made by ``_choose``, collectively)."""
         name, kw = rec.strategy_name, dict(rec.kwargs)
         self.stage = STAGE_OF[name]
         self.granularity = "fsdp" if name.startswith("fsdp") else "zero3"
@@ -72,7 +72,7 @@ class AutoStrategy(Zero3Strategy):
     def _choose(self, trainer: Any) -> None:
         rec = self.recommend(int(trainer.accumulate_grad_batches or 1))
         self.apply(rec)
-        if rec.kwargs.get("shard_size"):
+        if rec.kwargs.get("shard_size") or rec.kwargs.get("secondary_shard"):  # groups the planned row needs
             topology = resolve_topology(self.topology_spec, self.num_processes)
             self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
                                        self.stage, self._timeout, getattr(self, "secondary_shard", None))

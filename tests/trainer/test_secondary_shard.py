@@ -76,3 +76,28 @@ def test_bad_secondary_shard_is_refused_with_the_fix(knobs, match):
         return
     with pytest.raises(ValueError, match=match):
         island_groups(knobs["secondary_shard"], None, 4, 1)
+
+
+def fit_auto_with_hpz() -> dict[str, Any]:
+    """strategy=auto whose planner row carries secondary_shard (as on two nodes): the island groups are made and
+    used, not silently dropped."""
+    from lightning_shard.planner.recommend import Recommendation
+    from lightning_shard.strategies import AutoStrategy
+
+    class PlannedHpZ(AutoStrategy):
+        def recommend(self, accumulate_grad_batches: int = 1) -> Recommendation:
+            return Recommendation("zero3", {"accumulation": "keep_unsharded_grads", "secondary_shard": 2},
+                                  "test: a row with hpZ", [])
+
+    from lightning_shard.core import collectives as C
+
+    mark = C.LEDGER.mark()
+    out = fit_foreign("hf_gpt2", PlannedHpZ(topology=None), STEPS, 3)
+    gathers = Counter(e.group for e in C.LEDGER.since(mark) if e.tag.startswith("unshard_"))
+    return {"state": out["state"], "gathers": gathers}
+
+
+def test_strategy_auto_applies_a_planned_secondary_shard(worlds):
+    res = worlds(4).run(fit_auto_with_hpz)
+    check("hf_gpt2", res[0]["state"], reference("hf_gpt2", 3, 4), TOL)
+    assert res[0]["gathers"]["island"] > res[0]["gathers"]["gather"] > 0
