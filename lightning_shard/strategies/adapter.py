@@ -101,6 +101,7 @@ class EngineAdapter:
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
             C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
+        C.install_exit_guard()  # gloo's worker threads and the interpreter's exit (collectives.py)
         topology = resolve_topology(self.topology_spec, self.num_processes)
         self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
                                    self.stage, self._timeout, getattr(self, "secondary_shard", None))

@@ -54,21 +54,32 @@ def validate_secondary_shard(secondary: Union[None, int, str], shard_size: Union
                          "keeps every parameter gather inside its shard group; use one of them")
 
 
+def _consecutive(size: int, world: int) -> tuple[tuple[int, ...], ...]:
+    """Groups of ``size`` consecutive ranks (``size`` divides ``world``): hybrid's shard groups, hpZ's islands."""
+    return tuple(tuple(range(s, s + size)) for s in range(0, world, size))
+
+
+def _topology_layout(knob: str, topology: Optional[Topology], world: int, num_nodes: int):
+    """The topology's islands as groups of ranks, for a knob that asks for them (``knob``: how the user wrote it)."""
+    if topology is None:
+        name = knob.split("=")[0]
+        raise ValueError(f"{knob} takes the island size from a topology: pass topology=<preset name, capture file or "
+                         f"'detect'>, or an integer {name}")
+    return build_layout(topology, world, nodes=num_nodes, hybrid=True)
+
+
 def island_groups(secondary: Union[int, str], topology: Optional[Topology], world: int,
                   num_nodes: int) -> tuple[tuple[int, ...], ...]:
     """The ranks of each island for ``secondary_shard`` (consecutive ranks, as the shard groups of hybrid
     sharding are)."""
     if secondary == "island":
-        if topology is None:
-            raise ValueError("secondary_shard='island' takes the island size from a topology: pass topology=<preset "
-                             "name, capture file or 'detect'>, or an integer secondary_shard")
-        groups = build_layout(topology, world, nodes=num_nodes, hybrid=True).shard_groups
+        groups = _topology_layout("secondary_shard='island'", topology, world, num_nodes).shard_groups
     else:
         if world % secondary or secondary >= world:
             raise ValueError(f"secondary_shard={secondary} must divide the world size {world} and be smaller than it "
                              f"(islands of {secondary} ranks); use one of "
                              f"{[d for d in range(2, world) if world % d == 0] or 'none: the world is too small'}")
-        groups = tuple(tuple(range(s, s + secondary)) for s in range(0, world, secondary))
+        groups = _consecutive(secondary, world)
     if len(groups) < 2:
         raise ValueError(f"secondary_shard: one island of {world} ranks is the whole world, where the first gather "
                          "already runs: drop secondary_shard")
@@ -90,17 +101,14 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
                     mine.island = g
         return mine
     if shard_size == "auto":
-        if topology is None:
-            raise ValueError("shard_size='auto' takes the island size from a topology: pass topology=<preset name, "
-                             "capture file or 'detect'>, or an integer shard_size")
-        layout = build_layout(topology, world, nodes=num_nodes, hybrid=True)
+        layout = _topology_layout("shard_size='auto'", topology, world, num_nodes)
         shard_groups, replicate_groups = layout.shard_groups, layout.replicate_groups
     else:
         if world % shard_size:
             raise ValueError(f"shard_size={shard_size} does not divide the world size {world} "
                              f"({world} % {shard_size} = "
                              f"{world % shard_size}); use one of {[d for d in range(1, world + 1) if world % d == 0]}")
-        shard_groups = tuple(tuple(range(s, s + shard_size)) for s in range(0, world, shard_size))
+        shard_groups = _consecutive(shard_size, world)
         replicate_groups = tuple(tuple(range(k, world, shard_size)) for k in range(shard_size))
     if len(shard_groups) == 1:
         raise ValueError(f"hybrid sharding with one shard group of {len(shard_groups[0])} ranks is plain sharding: "
