@@ -306,6 +306,9 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "off_cpu_s_per_step_rank0": ranks[0].get("off_cpu_s_per_step", {}),
         "labels_s_per_step_rank0": ranks[0].get("labels_s_per_step", {}),
         "minor_faults_per_step_rank0": ranks[0].get("minor_faults_per_step"),
+        "cpu_s_per_step_rank0": ranks[0].get("cpu_s_per_step"),
+        "process_cpu_s_per_step_all_ranks": (sum(r["cpu_s_per_step"]["process"] for r in ranks)
+                                             if all(r.get("cpu_s_per_step") for r in ranks) else None),
         "model_state_rank0": ranks[0]["model_state"],
         "final_loss_rank0": ranks[0]["losses"][-1], "losses_rank0": ranks[0]["losses"],
         "torch_threads": ranks[0]["torch_threads"],

@@ -215,6 +215,7 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
                 self.ledger_mark = LEDGER.mark()
                 self.counters0 = counters.snapshot()
                 self.t_span0 = time.perf_counter()
+                self.cpu0 = (time.process_time(), time.thread_time())  # every thread of the process; the main one
             if self.step == last + 1 and n_profiled:
                 self.profile.start()
             self.t0 = self.t_mark = time.perf_counter()
@@ -253,6 +254,7 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
             if step == last:
                 self.faults1 = minor_faults()
                 self.t_span1 = now
+                self.cpu1 = (time.process_time(), time.thread_time())
                 self.entries = LEDGER.since(self.ledger_mark)
                 self.counters1 = counters.snapshot()
                 self.peak_rss = peak_rss_bytes()  # before the profiled window (the profiler holds its events)
@@ -290,6 +292,9 @@ def write_rank_result(args: argparse.Namespace, variant: str, trainer: Any, mete
         "engine_s_per_step": meter.engine_s_per_step,
         "labels_s_per_step": getattr(meter, "labels", {}),
         "minor_faults_per_step": (meter.faults1 - meter.faults0) / n if hasattr(meter, "faults1") else None,
+        # CPU seconds per timed step: the whole process (compute, gloo's threads, the allocator) and its main thread
+        "cpu_s_per_step": ({"process": (meter.cpu1[0] - meter.cpu0[0]) / n, "main": (meter.cpu1[1] - meter.cpu0[1]) / n}
+                           if hasattr(meter, "cpu1") else None),
         "optimizer_state_bytes": model_state["optimizer_state"], "model_state": model_state,
         "param_bytes": param_bytes, "peak_rss_bytes": getattr(meter, "peak_rss", None) or peak_rss_bytes(),
         # a meter that brings its own wire figures (the DeepSpeed rank, bench/deepspeed_rank.py) keeps them

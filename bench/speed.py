@@ -173,8 +173,8 @@ def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = No
 
 def phase_rows(s: dict[str, Any]) -> list[str]:
     lines = ["| variant | forward | (off-CPU) | backward+sync | (off-CPU) | optimizer+sync | (off-CPU) | step | "
-             "page faults / step | profiled labels (s/step) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "CPU: main thread | CPU: other threads | CPU: all ranks | page faults / step | profiled labels (s/step) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for v, r in s["results"].items():
         if "error" in r:
             continue
@@ -187,7 +187,11 @@ def phase_rows(s: dict[str, Any]) -> list[str]:
         named += [(k, x) for k, x in lab.items() if k.startswith("DistributedDataParallel.")]
         text = ", ".join(f"{k.replace('FSDP::', 'FSDP ')} {x:.3f}" for k, x in named if x)
         faults = r.get("minor_faults_per_step_rank0")
-        lines.append(f"| {v} | {' | '.join(cells)} | {sum(p.values()):.3f} | {_f(faults, 0)} | {text or '-'} |")
+        cpu = r.get("cpu_s_per_step_rank0") or {}
+        other = cpu["process"] - cpu["main"] if cpu else None
+        cpu_cells = f"{_f(cpu.get('main'))} | {_f(other)} | {_f(r.get('process_cpu_s_per_step_all_ranks'))}"
+        lines.append(f"| {v} | {' | '.join(cells)} | {sum(p.values()):.3f} | {cpu_cells} | {_f(faults, 0)} | "
+                     f"{text or '-'} |")
     return lines
 
 
@@ -211,6 +215,8 @@ def markdown_speed(doc: dict[str, Any]) -> str:
                   f"{s['world']}, micro-batch {mm['batch_size']} x {mm['block_size']} per rank", ""]
         lines += speed_rows(s, doc["table"], world1 if s is not world1 else None)
         lines += ["", "Where the step goes (rank 0, s per step; off-CPU = wall - main-thread CPU: waits and "
-                  "preemption):", ""]
+                  "preemption; CPU over the timed steps: rank 0's main thread, its other threads (gloo's, the "
+                  "profiler's, the data loader's), and every thread of every rank together, which on a machine "
+                  "with one core per rank bounds the step from below):", ""]
         lines += phase_rows(s) + [""]
     return "\n".join(lines) + "\n"
