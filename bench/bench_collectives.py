@@ -13,7 +13,9 @@ as the engine does:
   backend's all-to-all, (N-1)/N of the tensor per rank, as the reduce-scatter);
 * ``all_gather``: the backend's all-gather of 1/N per rank into the full tensor;
 * ``all_reduce as gather``: zeros outside this rank's 1/N, then an in-place all-reduce (not used by the engine:
-  measured to show why not).
+  measured to show why not);
+* ``broadcasts as gather``: N broadcasts, rank j's from its own 1/N of the full tensor, all launched before any is
+  waited (what the engine does with ``all_gather_via="broadcast"``, gloo's default: in place, the all-gather's bytes).
 
 Writes ``bench/results/collectives.{json,md}``::
 
@@ -36,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OPS = ("reduce_scatter", "all_reduce+slice", "all_to_all+sum", "all_gather", "all_reduce as gather")
+OPS = ("reduce_scatter", "all_reduce+slice", "all_to_all+sum", "all_gather", "all_reduce as gather",
+       "broadcasts as gather")
 
 
 def _time_size(mib: float, rank: int, world: int, device: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -70,8 +73,15 @@ def _time_size(mib: float, rank: int, world: int, device: Any, args: argparse.Na
         x[(rank + 1) * s:].zero_()
         dist.all_reduce(x, async_op=True).wait()
 
+    slots = x.view(world, s)
+
+    def ag_bc() -> None:
+        works = [dist.broadcast(slots[j], src=j, async_op=True) for j in range(world)]
+        for w in works:
+            w.wait()
+
     row: dict[str, Any] = {"mib": mib, "world": world}
-    for name, fn in zip(OPS, (rs, rs_ar, rs_a2a, ag, ag_ar)):
+    for name, fn in zip(OPS, (rs, rs_ar, rs_a2a, ag, ag_ar, ag_bc)):
         for _ in range(2):
             fn()
         best = float("inf")
@@ -108,17 +118,19 @@ def markdown(doc: dict) -> str:
              f"{doc['iters']} async calls + wait, ms per call (rank 0).",
              f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s).", "",
              "| world | MiB | reduce_scatter | all_reduce+slice | all_to_all+sum | RS / (AR+slice) | RS / (A2A+sum) "
-             "| all_gather | all_reduce as gather | AG / (AR as gather) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| all_gather | all_reduce as gather | AG / (AR as gather) | broadcasts as gather | AG / broadcasts |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in doc["rows"]:
         rs, a2a = r["reduce_scatter"], r.get("all_to_all+sum")  # absent from rows measured before it existed
         a2a_cells = ("-", "-") if a2a is None else (f"{a2a:.2f}", f"{rs / a2a:.2f}")
         lines.append(f"| {r['world']} | {r['mib']:g} | {rs:.2f} | {r['all_reduce+slice']:.2f} | {a2a_cells[0]} | "
                      f"{rs / r['all_reduce+slice']:.2f} | {a2a_cells[1]} | {r['all_gather']:.2f} | "
-                     f"{r['all_reduce as gather']:.2f} | {r['all_gather'] / r['all_reduce as gather']:.2f} |")
+                     f"{r['all_reduce as gather']:.2f} | {r['all_gather'] / r['all_reduce as gather']:.2f} | "
+                     + ("- | - |" if r.get("broadcasts as gather") is None else
+                        f"{r['broadcasts as gather']:.2f} | {r['all_gather'] / r['broadcasts as gather']:.2f} |"))
     lines += ["", "A ratio above 1: the other form is faster than the backend's own collective. "
               "``reduce_scatter_via='auto'`` picks the gradient reduce-scatter's form per backend "
-              "(core/collectives.py); all-gathers stay the backend's own.", ""]
+              "(core/collectives.py), ``all_gather_via='auto'`` the parameter all-gather's (broadcasts on gloo).", ""]
     return "\n".join(lines)
 
 

@@ -275,10 +275,12 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["peak_rss_mib_per_rank"] = [max(r["peak_rss_mib_per_rank"][i] for r in good)
                                         for i in range(len(good[0]["peak_rss_mib_per_rank"]))]
     for key in ("phase_s_per_step_rank0", "engine_s_per_step_rank0", "off_cpu_s_per_step_rank0",
-                "labels_s_per_step_rank0"):  # the mean over the runs that have each figure
+                "labels_s_per_step_rank0", "cpu_s_per_step_rank0"):  # the mean over the runs that have each figure
         names = dict.fromkeys(k for r in good for k in r.get(key, {}))
         out[key] = {k: sum(r[key][k] for r in good if k in r.get(key, {})) / sum(k in r.get(key, {}) for r in good)
                     for k in names}
+    cpu_all = [r["process_cpu_s_per_step_all_ranks"] for r in good if r.get("process_cpu_s_per_step_all_ranks")]
+    out["process_cpu_s_per_step_all_ranks"] = sum(cpu_all) / len(cpu_all) if cpu_all else None
     out["median_step_s_per_rank"] = [sorted(r["median_step_s_per_rank"][i] for r in good)[len(good) // 2]
                                      for i in range(len(good[0]["median_step_s_per_rank"]))]
     return out
@@ -306,7 +308,7 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "off_cpu_s_per_step_rank0": ranks[0].get("off_cpu_s_per_step", {}),
         "labels_s_per_step_rank0": ranks[0].get("labels_s_per_step", {}),
         "minor_faults_per_step_rank0": ranks[0].get("minor_faults_per_step"),
-        "cpu_s_per_step_rank0": ranks[0].get("cpu_s_per_step"),
+        "cpu_s_per_step_rank0": ranks[0].get("cpu_s_per_step") or {},
         "process_cpu_s_per_step_all_ranks": (sum(r["cpu_s_per_step"]["process"] for r in ranks)
                                              if all(r.get("cpu_s_per_step") for r in ranks) else None),
         "model_state_rank0": ranks[0]["model_state"],

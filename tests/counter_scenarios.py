@@ -36,7 +36,7 @@ class _Windows(L.Callback):
         self._marks = (C.LEDGER.mark(), self.counter.mark())
 
     def on_train_batch_end(self, *args: Any) -> None:
-        ledger = Counter(e.op for e in C.LEDGER.since(self._marks[0]))
+        ledger = Counter(c for e in C.LEDGER.since(self._marks[0]) for c in e.calls)  # what ran in torch.distributed
         calls = self.counter.since(self._marks[1])
         self.windows.append({"ledger": ledger, "ours": Counter(op for op, who in calls if who == OURS),
                              "others": [(op, who) for op, who in calls if who != OURS]})
@@ -55,7 +55,7 @@ def counted_fit(strategy: str, acc: int) -> dict[str, Any]:
                             callbacks=[windows])
         data = dataset(4, acc, world)
         trainer.fit(_Logging(), DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)))
-        total = Counter(e.op for e in C.LEDGER.since(mark))
+        total = Counter(c for e in C.LEDGER.since(mark) for c in e.calls)
     return {"windows": windows.windows, "total_ledger": total,
             "total_ours": Counter(op for op, who in counter.calls if who == OURS),
             "others": Counter(counter.calls[i] for i in range(len(counter.calls)) if counter.calls[i][1] != OURS)}

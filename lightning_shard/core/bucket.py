@@ -53,8 +53,10 @@ class Bucket:
                  param_dtype: Optional[torch.dtype] = None, offload: bool = False,
                  offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
                  gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
-                 error_feedback: bool = True, secondary_group: C.Group = None) -> None:
+                 error_feedback: bool = True, secondary_group: C.Group = None,
+                 all_gather_path: str = "all_gather") -> None:
         self.index, self.params, self.names = index, params, names
+        self.ag_path = all_gather_path  # how parameter all-gathers run (collectives.py ``all_gather_path``)
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
         self.opt_index = opt_index
@@ -236,7 +238,7 @@ class Bucket:
                 self._gather_work = self._launch_quantized_gather(src, async_op)
                 return
             self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
-                                             tag=f"unshard_bucket{self.index}")
+                                             tag=f"unshard_bucket{self.index}", via=self.ag_path)
 
     def _launch_quantized_gather(self, src: torch.Tensor, async_op: bool) -> Any:
         """Quantize this rank's shard (from the fp32 master where there is one: the values the optimizer keeps) and
@@ -493,7 +495,8 @@ class Bucket:
             return None
         with label("param_gather_launch"):
             self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
-                                            group=self.group, async_op=async_op, tag=f"param_bucket{self.index}")
+                                            group=self.group, async_op=async_op, tag=f"param_bucket{self.index}",
+                                            via=self.ag_path)
         return self._param_work
 
     # ------------------------------------------------------------------ optimizer state per parameter

@@ -173,7 +173,8 @@ class EngineAdapter:
                            offload_params=getattr(self, "offload_params", False),
                            reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
                            reduce_quant=self.reduce_quant, quant_block=self.quant_block,
-                           quant_error_feedback=self.quant_error_feedback, secondary_group=self._groups.island)
+                           quant_error_feedback=self.quant_error_feedback, secondary_group=self._groups.island,
+                           all_gather_via=self.all_gather_via)
 
 
 __all__ = ["ATTRIBUTE_OF", "EngineAdapter"]

@@ -79,6 +79,13 @@ class ZeroConfig:
         reduce-scatter 1.7-7x and, but for one size, the all-reduce 1.3-10x at 64 KiB-25 MiB on 2 and 4 ranks
         (bench/results/collectives.md), ``reduce_scatter`` on every other backend (NCCL). The ledger records the
         collective that runs.""", choices=("auto", "reduce_scatter", "all_reduce", "all_to_all"))
+    all_gather_via: str = knob("auto", """How zero1/2 (after each step) and zero3 / fsdp_shard (each unit, in forward
+        and backward) all-gather parameters: ``"all_gather"`` (the backend's collective), ``"broadcast"`` (N broadcasts,
+        each rank's from its own slot of the output: the same (N-1)/N of the bytes per rank, in place), ``"auto"``:
+        ``broadcast`` on gloo, where it beats gloo's all-gather 1.3-3.8x from 1 to 88 MiB on 2 ranks and 1.0-2.9x on
+        4, at a third of its threads' CPU time (bench/results/collectives.md; 0.8x at 256 KiB on 2 ranks),
+        ``all_gather`` on every other backend (NCCL). The ledger records an all-gather either way (marked
+        ``via="broadcast"``).""", choices=("auto", "all_gather", "broadcast"))
     gather_quant: str = knob("none", """Compressed parameter all-gathers (zero3 / fsdp_shard; ZeRO++'s qwZ):
         ``"int8"`` sends each rank's shard block-quantized (one fp32 scale per ``quant_block`` elements) in the gathers
         of forward and backward: ~1/4 of fp32's bytes, ~1/2 of bf16's. The fp32 masters, the optimizer and what
@@ -189,6 +196,7 @@ class ZeroConfig:
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         self._check_choice("start_method")
         self._check_choice("reduce_scatter_via")
+        self._check_choice("all_gather_via")
         for name in ("timeout_s", "startup_timeout_s"):
             if not _is_seconds(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
