@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -62,6 +63,7 @@ class Recorder(L.Callback):
         self.per_batch: list[list[tuple[str, str, float]]] = []
         self.per_batch_groups: list[list[tuple[str, str, str, int]]] = []
         self.step_memory: list[dict[str, int]] = []
+        self.gather_calls: Counter = Counter()  # the torch.distributed calls that ran the parameter all-gathers
         self.record_events = False
         self._mark = 0
 
@@ -72,6 +74,7 @@ class Recorder(L.Callback):
         entries = C.LEDGER.since(self._mark)
         self.per_batch.append([(e.op, e.tag, e.wire_bytes) for e in entries])
         self.per_batch_groups.append([(e.op, e.tag, e.group, e.bytes) for e in entries])
+        self.gather_calls.update(c for e in entries if e.op == "all_gather" for c in e.calls)
 
     def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
         self.step_memory.append(trainer.strategy.engine.memory_report())
@@ -153,6 +156,8 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "norms": module.grad_norms,
         "per_batch": recorder.per_batch,
         "reduce_ops": {op for entries in recorder.per_batch for op, tag, _ in entries if tag.startswith("grad_bucket")},
+        "gather_calls": dict(recorder.gather_calls),
+        "gather_paths": sorted({b.ag_path for b in engine.buckets if b.trainable}),
         "per_batch_groups": recorder.per_batch_groups,
         "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
         "axes": trainer.strategy._groups.axes,

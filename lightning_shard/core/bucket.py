@@ -54,9 +54,8 @@ class Bucket:
                  offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
                  gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
                  error_feedback: bool = True, secondary_group: C.Group = None,
-                 all_gather_path: str = "all_gather") -> None:
+                 all_gather_via: str = "all_gather") -> None:
         self.index, self.params, self.names = index, params, names
-        self.ag_path = all_gather_path  # how parameter all-gathers run (collectives.py ``all_gather_path``)
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
         self.opt_index = opt_index
@@ -83,6 +82,8 @@ class Bucket:
         self.layout: FlatLayout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
         shard = 0 if spec.num_shards == 1 else rank
         self.shard_start, self.shard_end = self.layout.shard_range(shard)
+        # how this bucket's parameter all-gathers run (collectives.py ``all_gather_path``: by backend and size)
+        self.ag_path = C.all_gather_path(all_gather_via, group, self.layout.padded_numel * self.itemsize)
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
         # compressed communication (core/quant.py): the stage-3 parameter all-gathers of forward and backward move
         # block-quantized shards (the masters stay exact); the gradient reductions move every rank's quantized pieces

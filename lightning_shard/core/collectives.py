@@ -227,25 +227,29 @@ def reduce_scatter_path(choice: str, group: Group = None) -> str:
 
 
 ALL_GATHER_VIA = ("auto", "all_gather", "broadcast")
+BROADCAST_MIN_BYTES = 2**20  # ``"auto"`` on gloo: smaller all-gathers stay the backend's own
 
 
-def all_gather_path(choice: str, group: Group = None) -> str:
+def all_gather_path(choice: str, group: Group = None, nbytes: Optional[int] = None) -> str:
     """How a parameter all-gather runs (the ``all_gather_via`` knob):
 
     * ``"all_gather"``: the backend's all-gather;
     * ``"broadcast"``: N broadcasts on the group, rank j's from its own slot of the output, all launched before any
       is waited: every rank sends its slot to the N-1 others and receives theirs, the all-gather's (N-1)/N of the
-      output per rank, in place (no buffer). ``"auto"`` on gloo, where it is 1.3-3.8x faster than gloo's
-      all-gather from 1 to 88 MiB on 2 ranks and 1.0-2.9x on 4 (0.8x at 256 KiB on 2 ranks), with 1/3 of its
-      threads' CPU time at 88 MiB (``bench/bench_collectives.py``, ``bench/results/collectives.md``);
-      ``"all_gather"`` on every other backend (NCCL).
+      output per rank, in place (no buffer). ``"auto"`` on gloo for an output of :data:`BROADCAST_MIN_BYTES` (1 MiB)
+      or more (``nbytes``; None: any size): 1.4-4.2x faster than gloo's all-gather at 4-88 MiB on 2 ranks in two
+      runs, 1.05-3.3x at 25-88 MiB on 4, with 24-81% of its CPU time at 25-88 MiB; at 1 MiB and below, and at 1-4 MiB
+      on 4 ranks, the runs disagree (0.45-4.1x) (``bench/bench_collectives.py``,
+      ``bench/results/collectives_gather.md`` and ``collectives_gather_run1.md``). ``"all_gather"`` on every other
+      backend (NCCL) and below the size.
 
     The ledger records an all-gather either way (its bytes and wire bytes), marked ``via="broadcast"``: its
     :attr:`LedgerEntry.calls` are the N broadcasts that run."""
     if choice not in ALL_GATHER_VIA:
         raise ValueError(f"all_gather_via must be one of {ALL_GATHER_VIA}, got {choice!r}")
     if choice == "auto":
-        return "broadcast" if backend(group) == "gloo" else "all_gather"
+        large = nbytes is None or nbytes >= BROADCAST_MIN_BYTES
+        return "broadcast" if backend(group) == "gloo" and large else "all_gather"
     return choice
 
 

@@ -78,7 +78,8 @@ class ShardEngine:
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_params = bool(offload_params)
         self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
-        self.ag_path = C.all_gather_path(all_gather_via, group)
+        C.all_gather_path(all_gather_via, group)  # validated here; each bucket resolves it for its size
+        self.all_gather_via = all_gather_via
         self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
             stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
         self.quant_error_feedback = bool(quant_error_feedback)
@@ -184,7 +185,7 @@ class ShardEngine:
                       reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
                       reduce_quant=self.reduce_quant, quant_block=self.quant_block,
                       error_feedback=self.quant_error_feedback, secondary_group=self.secondary_group,
-                      all_gather_path=self.ag_path)
+                      all_gather_via=self.all_gather_via)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

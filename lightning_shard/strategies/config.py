@@ -82,10 +82,11 @@ class ZeroConfig:
     all_gather_via: str = knob("auto", """How zero1/2 (after each step) and zero3 / fsdp_shard (each unit, in forward
         and backward) all-gather parameters: ``"all_gather"`` (the backend's collective), ``"broadcast"`` (N broadcasts,
         each rank's from its own slot of the output: the same (N-1)/N of the bytes per rank, in place), ``"auto"``:
-        ``broadcast`` on gloo, where it beats gloo's all-gather 1.3-3.8x from 1 to 88 MiB on 2 ranks and 1.0-2.9x on
-        4, at a third of its threads' CPU time (bench/results/collectives.md; 0.8x at 256 KiB on 2 ranks),
-        ``all_gather`` on every other backend (NCCL). The ledger records an all-gather either way (marked
-        ``via="broadcast"``).""", choices=("auto", "all_gather", "broadcast"))
+        ``broadcast`` on gloo for buckets of 1 MiB or more, where it beats gloo's all-gather 1.4-4.2x at 4-88 MiB on
+        2 ranks and 1.05-3.3x at 25-88 MiB on 4, with 24-81% of its CPU time (bench/results/collectives_gather*.md;
+        smaller, runs disagree), ``all_gather`` below that and on every other
+        backend (NCCL). The ledger records an all-gather either way (marked ``via="broadcast"``).""",
+                               choices=("auto", "all_gather", "broadcast"))
     gather_quant: str = knob("none", """Compressed parameter all-gathers (zero3 / fsdp_shard; ZeRO++'s qwZ):
         ``"int8"`` sends each rank's shard block-quantized (one fp32 scale per ``quant_block`` elements) in the gathers
         of forward and backward: ~1/4 of fp32's bytes, ~1/2 of bf16's. The fp32 masters, the optimizer and what

@@ -94,6 +94,43 @@ def test_parity_with_single_process(worlds, world, acc, stage, policy):
 NATIVE = [(2, "defer"), (2, "per_micro_batch"), (3, "per_micro_batch"), (3, "keep_unsharded_grads")]
 
 
+def _gather_paths() -> list[str]:
+    from lightning_shard.core import collectives as C
+
+    return [C.all_gather_path("auto", None, C.BROADCAST_MIN_BYTES - 4), C.all_gather_path("auto", None,
+            C.BROADCAST_MIN_BYTES), C.all_gather_path("auto", None), C.all_gather_path("all_gather", None, 2**30),
+            C.all_gather_path("broadcast", None, 4)]
+
+
+def test_all_gather_path_by_backend_and_size(worlds):
+    """On gloo ``"auto"`` takes broadcasts from 1 MiB of output up (or when the size is not given), the backend's
+    all-gather below; an explicit choice holds at any size; a wrong one is refused."""
+    assert worlds(2).run(_gather_paths)[0] == ["all_gather", "broadcast", "broadcast", "all_gather", "broadcast"]
+    from lightning_shard.core import collectives as C
+
+    with pytest.raises(ValueError, match="all_gather_via must be one of"):
+        C.all_gather_path("ring")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage,policy", [(1, "defer"), (2, "defer"), (3, "per_micro_batch")],
+                         ids=["zero1", "zero2", "zero3"])
+def test_all_gather_as_broadcasts_is_bit_identical(worlds, world, stage, policy):
+    """``all_gather_via="broadcast"`` (gloo's default for buckets of 1 MiB or more; these test buckets are smaller, so
+    ``"auto"`` keeps gloo's all-gather here) against ``"all_gather"``: a gather copies values, so the weights after fit
+    are bit-identical, on every rank; the ledger records all-gathers whose calls are N broadcasts each."""
+    acc = 2
+    bc = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"all_gather_via": "broadcast"})
+    ag = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"all_gather_via": "all_gather"})
+    auto = worlds(world).run(fit_zero, stage, policy, acc)
+    for rank in range(world):
+        assert bc[rank]["gather_paths"] == ["broadcast"] and ag[rank]["gather_paths"] == ["all_gather"]
+        assert auto[rank]["gather_paths"] == ["all_gather"], auto[rank]["gather_paths"]  # small buckets
+        assert set(bc[rank]["gather_calls"]) == {"broadcast"} and set(ag[rank]["gather_calls"]) == {"all_gather"}
+        assert bc[rank]["gather_calls"]["broadcast"] == world * ag[rank]["gather_calls"]["all_gather"] > 0
+        assert max_diff(params_of(bc[rank]["state"]), params_of(ag[rank]["state"])) == 0.0, rank
+
+
 @pytest.mark.parametrize("via", ["reduce_scatter", "all_reduce"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage,policy", NATIVE, ids=[f"zero{s}-{p}" for s, p in NATIVE])
