@@ -56,6 +56,22 @@ def test_hybrid_parity_and_traffic_per_axis(world4, name):
             assert sum(b for *_, b in replicate) == padded_grad_bytes // 2
 
 
+@pytest.mark.parametrize("name", ["zero2_hybrid-defer", "zero3_hybrid"])
+def test_hybrid_gathers_as_broadcasts_inside_the_shard_group(world4, name):
+    """``all_gather_via="broadcast"`` in shard groups of 2 out of 4 ranks: each broadcast's source is the group's
+    member as a global rank; the same weights as one process, and the gathers' broadcasts stay on the shard axis."""
+    stage, policy, extra = CASES[name]
+    acc = 3
+    results = world4.run(fit_zero, stage, policy, acc, model="tiny_lm",
+                         strategy_kwargs=dict(HYBRID, all_gather_via="broadcast", **extra))
+    ref, _ = reference(acc)
+    for r in results:
+        assert r["gather_paths"] == ["broadcast"] and set(r["gather_calls"]) == {"broadcast"}
+        assert max_diff(params_of(r["state"]), params_of(ref)) <= 1e-5
+        gathers = {g for entries in r["per_batch_groups"] for op, _, g, _ in entries if op == "all_gather"}
+        assert gathers and gathers <= {"shard", "gather"}, gathers
+
+
 def test_hybrid_on_a_single_island_is_refused(world4):
     with pytest.raises(RuntimeError, match="hybrid sharding needs at least 2 islands"):
         world4.run(fit_zero, 2, "defer", 1, model="tiny_lm", strategy_kwargs={"shard_size": "auto", "topology": "cpu"})
