@@ -264,9 +264,6 @@ class Works:
             w.wait()
         return True
 
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
 
 def group_name(group: Group) -> str:
     if group is None or group is dist.GroupMember.WORLD:
@@ -329,7 +326,7 @@ def init_process_group(backend: str, rank: int, world_size: int, init_method: st
 
 # ---------------------------------------------------------------------------------------------- a clean exit
 EXIT_GIL_RELEASE_S = 0.05
-_exit_guard = {"installed": False, "ran": False}
+_exit_guard = {"installed": False}
 
 
 def install_exit_guard() -> None:
@@ -341,8 +338,8 @@ def install_exit_guard() -> None:
     that destruction takes the GIL (the work's tensors have Python objects). If the main thread reaches interpreter
     finalization first, Python ends the waiting thread with ``pthread_exit``, its unwinding meets a ``noexcept``
     destructor, and the process aborts (rc -6, "terminate called without an active exception") *after* the job
-    finished: seen once in about 40 zero3/fsdp_shard benchmark runs, always as the last gather of
-    ``release_to_module`` at the end of fit. The guard is an ``atexit`` handler (atexit runs before finalization,
+    finished: seen once in about 40 zero3/fsdp_shard benchmark runs (the core dump's thread was destroying an
+    all-gather). The guard is an ``atexit`` handler (atexit runs before finalization,
     the interpreter fully alive) that releases the GIL for :data:`EXIT_GIL_RELEASE_S` seconds, so a worker waiting
     for it finishes. No collective and no join: a job that failed, with a peer gone or a collective stuck, exits as
     quickly as before (``destroy_process_group`` here could wait for a stuck collective until its timeout)."""
@@ -356,7 +353,6 @@ def exit_guard_installed() -> bool:
 
 
 def _release_gil_at_exit() -> None:
-    _exit_guard["ran"] = True
     # also after destroy_process_group: a subgroup something still references keeps its worker threads
     time.sleep(EXIT_GIL_RELEASE_S)
 
