@@ -43,13 +43,15 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_q4r": {"reduce_quant": "int4"},
     "_q8": {"gather_quant": "int8", "reduce_quant": "int8"},
     "_agc": {"all_gather_via": "all_gather"},  # the backend's all-gather (gloo's default until issue 16's 4th round)
+    "_nohuge": {"huge_pages": False},  # plain 4 KiB pages for the per-step buffers (the default until issue 16's 5th)
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
             "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3",
             "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0",
             "zero2_q8r", "zero2_q4r", "zero3_q8g", "zero3_q8r", "zero3_q4r", "zero3_q8", "fsdp_shard_q8",
-            "zero1_agc", "zero2_agc", "zero3_agc", "fsdp_shard_agc")
+            "zero1_agc", "zero2_agc", "zero3_agc", "fsdp_shard_agc",
+            "zero1_nohuge", "zero2_nohuge", "zero3_nohuge", "fsdp_shard_nohuge")
 OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
 STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
@@ -140,6 +142,11 @@ NOTES = {
     "zero2_agc": "zero2 with all_gather_via='all_gather'",
     "zero3_agc": "zero3 with all_gather_via='all_gather' (gloo's own all-gather of each unit)",
     "fsdp_shard_agc": "fsdp_shard with all_gather_via='all_gather'",
+    "zero1_nohuge": "zero1 with huge_pages=False (its per-step host buffers in plain 4 KiB pages: the default until "
+                    "issue 16's fifth round)",
+    "zero2_nohuge": "zero2 with huge_pages=False",
+    "zero3_nohuge": "zero3 with huge_pages=False",
+    "fsdp_shard_nohuge": "fsdp_shard with huge_pages=False",
     "ds_zero1": "DeepSpeed ZeRO stage 1 (deepspeed.initialize, no Lightning Trainer; DS_ACCELERATOR=cpu, gloo), torch "
                 "AdamW as client optimizer, fp32 (no fp16/bf16 section), reduce_bucket_size = allgather_bucket_size "
                 "= bucket_mb MiB of fp32 elements (25 MiB: 6,553,600), overlap_comm=False, "

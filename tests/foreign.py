@@ -204,6 +204,18 @@ def _hf_gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg)  # lm_head.weight is transformer.wte.weight (tied)
 
 
+def _hf_gpt2_wide() -> nn.Module:
+    """GPT-2 wide enough (n_embd 512: 3.1M parameters per block; its largest layer, ``mlp.c_fc``, 4 MiB) that its
+    buckets and units are large: with default knobs on gloo their parameter gathers run as broadcasts (1 MiB and
+    up) and their per-step buffers are advised as huge pages (4 MiB and up), paths the tiny models of
+    :data:`MODELS` never reach."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=512, n_layer=2, n_head=8, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
 def _hf_gpt2_lora() -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -301,10 +313,16 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, str]] = {
 }
 
 
+# models too large for the whole matrix of test_foreign_models.py: run where a test names them
+LARGE: dict[str, tuple[Callable[[], nn.Module], Callable, str]] = {
+    "hf_gpt2_wide": (_hf_gpt2_wide, _hf_causal, "Hugging Face GPT-2 with 3.1M-parameter blocks (large buckets)"),
+}
+
+
 class ForeignModule(L.LightningModule):
     def __init__(self, name: str, optimizer: str = "sgd") -> None:
         super().__init__()
-        builder, self._loss_fn, _ = MODELS[name]
+        builder, self._loss_fn, _ = {**MODELS, **LARGE}[name]
         torch.manual_seed(1234)
         self.net = builder()
         self.name, self.optimizer_name = name, optimizer
@@ -383,6 +401,7 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
     names whose forward calls are recorded per step (on every rank); ``with_optimizer``: also the optimizer state
     in torch's per-parameter format (``trainer.strategy.optimizer_state``, collective)."""
     from lightning_shard.core import collectives as C
+    from lightning_shard.core import hostmem
 
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)
@@ -399,11 +418,27 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
                         callbacks=[calls] if calls else None)
     data = dataset(name, steps, acc, world)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
-    trainer.fit(module, loader)
+    advise, advised = hostmem.advise, []
+
+    def counting(t: torch.Tensor) -> bool:  # the engine's huge-page advice during fit: how many buffers took it
+        ok = advise(t)
+        advised.append(ok)
+        return ok
+
+    hostmem.advise = counting
+    try:
+        trainer.fit(module, loader)
+    finally:
+        hostmem.advise = advise
+    engine = getattr(trainer.strategy, "engine", None)
     opt_state = trainer.strategy.optimizer_state(trainer.optimizers[0]) if with_optimizer else None
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None,
             "policy": getattr(trainer.strategy, "accumulation_policy", None),
-            "calls": calls.ran if calls else None, "optimizer": opt_state if rank == 0 else None}
+            "calls": calls.ran if calls else None, "optimizer": opt_state if rank == 0 else None,
+            "gather_paths": sorted({b.ag_path for b in engine.buckets if b.trainable}) if engine else [],
+            "bucket_paths": [(b.layout.padded_numel * b.itemsize, b.ag_path) for b in engine.buckets if b.trainable]
+            if engine else [],
+            "advised": sum(advised), "not_advised": len(advised) - sum(advised)}
 
 
 def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

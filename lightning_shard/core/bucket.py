@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from . import hostmem
 from . import quant as Q
 from .chunks import OptimizerChunks
 from .config import label
@@ -54,7 +55,7 @@ class Bucket:
                  offload_params: bool = False, reduce_scatter_path: str = "reduce_scatter",
                  gather_quant: str = "none", reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
                  error_feedback: bool = True, secondary_group: C.Group = None,
-                 all_gather_via: str = "all_gather") -> None:
+                 all_gather_via: str = "all_gather", huge_pages: bool = True) -> None:
         self.index, self.params, self.names = index, params, names
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
         # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
@@ -84,6 +85,9 @@ class Bucket:
         self.shard_start, self.shard_end = self.layout.shard_range(shard)
         # how this bucket's parameter all-gathers run (collectives.py ``all_gather_path``: by backend and size)
         self.ag_path = C.all_gather_path(all_gather_via, group, self.layout.padded_numel * self.itemsize)
+        # the buffers allocated every step (full gradients, reduction pieces and shards, gathered units) are advised
+        # as transparent huge pages on CPU (core/hostmem.py): fewer page faults, the same values
+        self.huge_pages = huge_pages
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
         # compressed communication (core/quant.py): the stage-3 parameter all-gathers of forward and backward move
         # block-quantized shards (the masters stay exact); the gradient reductions move every rank's quantized pieces
@@ -215,9 +219,11 @@ class Bucket:
         # every view of it (autograd's saved ``weight.t()`` of an ``F.linear`` included) loses its memory when the
         # unit is resharded and sees the gathered values again in backward
         if self._full is None:
-            self._full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self._full = hostmem.empty(self.layout.padded_numel, self.dtype, self.device, self.huge_pages)
         else:
             self._full.untyped_storage().resize_(self.layout.padded_numel * self.itemsize)
+            if self.huge_pages:  # a fresh allocation, not written yet
+                hostmem.advise(self._full)
         self.flat_param = self._full
         self.gauge.add(self.layout.padded_numel * self.itemsize)
         self._gather_exact = exact
@@ -320,7 +326,7 @@ class Bucket:
         """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
         self.lazy = False
         if self.grad_buf is None:
-            self.grad_buf = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.grad_buf = hostmem.zeros(self.layout.padded_numel, self.dtype, self.device, self.huge_pages)
             self.grad_views = slot_views(self.layout, self.grad_buf)
         if self.spec.shards_params and self.param_state is not ParamState.UNSHARDED:
             self.pending = len(self.params)
@@ -385,9 +391,9 @@ class Bucket:
                     # it (NCCL's in-place layout; gloo too), so the averaged shard costs no buffer of its own
                     self._out = self.grad_buf[self.shard_start:self.shard_end]
                 else:
-                    self._out = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
+                    self._out = hostmem.empty(self.layout.shard_numel, reduce_dtype, self.device, self.huge_pages)
                 if self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
-                    self._pieces = torch.empty_like(src)
+                    self._pieces = hostmem.empty(src.numel(), src.dtype, self.device, self.huge_pages)
                     self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
                 else:
                     self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
@@ -432,7 +438,7 @@ class Bucket:
             mine = out[: self.owned_numel]
         if accumulate:
             if self.accum is None:
-                self.accum = torch.zeros(self.owned_numel, dtype=torch.float32, device=self.device)
+                self.accum = hostmem.zeros(self.owned_numel, torch.float32, self.device, self.huge_pages)
             self.accum.add_(mine)
             mine = self.accum
         elif self.rs_via_all_reduce and self.spec.frees_grads and mine.dtype == self.shard_param.dtype:

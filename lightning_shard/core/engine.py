@@ -53,7 +53,7 @@ class ShardEngine:
                  offload_params: bool = False, reduce_scatter_via: str = "auto", gather_quant: str = "none",
                  reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
                  quant_error_feedback: bool = True, secondary_group: C.Group = None,
-                 all_gather_via: str = "auto") -> None:
+                 all_gather_via: str = "auto", huge_pages: bool = True) -> None:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
@@ -80,6 +80,7 @@ class ShardEngine:
         self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
         C.all_gather_path(all_gather_via, group)  # validated here; each bucket resolves it for its size
         self.all_gather_via = all_gather_via
+        self.huge_pages = bool(huge_pages)
         self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
             stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
         self.quant_error_feedback = bool(quant_error_feedback)
@@ -185,7 +186,7 @@ class ShardEngine:
                       reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
                       reduce_quant=self.reduce_quant, quant_block=self.quant_block,
                       error_feedback=self.quant_error_feedback, secondary_group=self.secondary_group,
-                      all_gather_via=self.all_gather_via)
+                      all_gather_via=self.all_gather_via, huge_pages=self.huge_pages)
 
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters

@@ -174,7 +174,7 @@ class EngineAdapter:
                            reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
                            reduce_quant=self.reduce_quant, quant_block=self.quant_block,
                            quant_error_feedback=self.quant_error_feedback, secondary_group=self._groups.island,
-                           all_gather_via=self.all_gather_via)
+                           all_gather_via=self.all_gather_via, huge_pages=self.huge_pages)
 
 
 __all__ = ["ATTRIBUTE_OF", "EngineAdapter"]

@@ -87,6 +87,13 @@ class ZeroConfig:
         smaller, runs disagree), ``all_gather`` below that and on every other
         backend (NCCL). The ledger records an all-gather either way (marked ``via="broadcast"``).""",
                                choices=("auto", "all_gather", "broadcast"))
+    huge_pages: bool = knob(True, """CPU only: advise the large buffers the engine allocates every step (4 MiB or more:
+        zero2/zero3's full gradient buckets, the pieces and shards of gradient reductions, the parameters zero3 /
+        fsdp_shard gather per unit) as transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``, where
+        ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). torch's CPU allocator has no
+        cache, so such buffers are mapped fresh each step and every 4 KiB page faults on first touch; a fresh 88 MiB
+        buffer filled 4.4x faster advised (bench/results/hugepages.md). The values are the same either way.
+        ``False``: plain pages. No effect on CUDA (its caching allocator), off Linux, or where THP is ``never``.""")
     gather_quant: str = knob("none", """Compressed parameter all-gathers (zero3 / fsdp_shard; ZeRO++'s qwZ):
         ``"int8"`` sends each rank's shard block-quantized (one fp32 scale per ``quant_block`` elements) in the gathers
         of forward and backward: ~1/4 of fp32's bytes, ~1/2 of bf16's. The fp32 masters, the optimizer and what

@@ -15,6 +15,8 @@ import functools
 import pytest
 import torch
 
+from lightning_shard.core import collectives as C
+from lightning_shard.core import hostmem
 from tests.foreign import MODELS, ForeignModule, diff, fit_foreign, reference_state
 
 STEPS = 4
@@ -48,6 +50,31 @@ def check(name: str, state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
 def test_default_knobs_match_one_process(worlds, name, strategy, acc, world):
     res = worlds(world).run(fit_foreign, name, strategy, STEPS, acc)
     check(name, res[0]["state"], reference(name, acc, world), TOL)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp_shard"])
+def test_large_buckets_take_gloos_fast_paths_and_match_one_process(worlds, strategy):
+    """Hugging Face GPT-2 with 3.1M-parameter blocks, default knobs, world 2, accumulation 2: its buckets are large
+    enough for the paths gloo's defaults take for large tensors (the tiny models above never reach them): the
+    parameter gathers of buckets of 1 MiB and up run as broadcasts (``all_gather_via="auto"``), and the per-step
+    buffers are
+    advised as huge pages (``huge_pages=True``, 4 MiB and up, where the kernel has THP). The weights match one
+    process; with both knobs off they are bit-identical to the default run (both paths copy the same values)."""
+    name, acc, world = "hf_gpt2_wide", 2, 2
+    res = worlds(world).run(fit_foreign, name, strategy, STEPS, acc)
+    check(name, res[0]["state"], reference(name, acc, world), TOL)
+    plain = worlds(world).run(fit_foreign, name, strategy, STEPS, acc,
+                              strategy_kwargs={"huge_pages": False, "all_gather_via": "all_gather"})
+    for rank in range(world):
+        paths = res[rank]["bucket_paths"]
+        assert any(path == "broadcast" for _, path in paths), paths
+        assert all(path == ("broadcast" if nbytes >= C.BROADCAST_MIN_BYTES else "all_gather") for nbytes, path in paths)
+        assert plain[rank]["gather_paths"] == ["all_gather"], plain[rank]["gather_paths"]
+        assert res[rank]["advised"] + res[rank]["not_advised"] > 0  # the engine asked for every large buffer
+        counts = [(r[rank]["advised"], r[rank]["not_advised"]) for r in (res, plain)]
+        assert (res[rank]["advised"] > 0) == hostmem.available(), counts
+        assert plain[rank]["advised"] + plain[rank]["not_advised"] == 0, counts  # off: never asked
+    assert diff(plain[0]["state"], res[0]["state"]) == 0.0
 
 
 def test_lora_base_is_frozen_bit_identical_and_adapters_train(worlds):
