@@ -403,20 +403,21 @@ class Bucket:
         j is rank j's range); what quantization loses stays in ``residual`` for the next reduction, so over many
         steps the gradients applied sum to the gradients computed, within one step's quantization error."""
         q = self.reduce_q
-        x = self.grad_buf.to(torch.float32, copy=True)
+        x = hostmem.empty(self.grad_buf.numel(), torch.float32, self.device, self.huge_pages).copy_(self.grad_buf)
         if self.residual is not None:
             x.add_(self.residual)
-        self._qsend = torch.empty(self.world, q.piece_bytes, dtype=torch.uint8, device=self.device)
+        nbytes = self.world * q.piece_bytes
+        self._qsend = hostmem.empty(nbytes, torch.uint8, self.device, self.huge_pages).view(self.world, -1)
         sent = Q.quantize(x.view(self.world, -1), q, self._qsend)
         if self.error_feedback:
             # a non-finite gradient (an fp16 overflow, a step skip_nonfinite skips) leaves no error to carry: without
             # this a nan would stay in the residual and poison every later reduction
             self.residual = x.view(self.world, -1).sub_(sent).view(-1).nan_to_num_(0.0, 0.0, 0.0)
-        self._pieces = torch.empty_like(self._qsend)
+        self._pieces = hostmem.empty(nbytes, torch.uint8, self.device, self.huge_pages).view(self.world, -1)
         if self.grad_buf.dtype == torch.float32 and not self.spec.frees_grads:
             self._out = self.grad_buf[self.shard_start:self.shard_end]  # stage 1: into its own range, as unquantized
         else:
-            self._out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+            self._out = hostmem.empty(self.layout.shard_numel, torch.float32, self.device, self.huge_pages)
         self._work = C.all_to_all(self._pieces.view(-1), self._qsend.view(-1), group=self.group, async_op=async_op,
                                   tag=tag)
 

@@ -92,8 +92,10 @@ class ZeroConfig:
         fsdp_shard gather per unit) as transparent huge pages (Linux ``madvise(MADV_HUGEPAGE)``, where
         ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). torch's CPU allocator has no
         cache, so such buffers are mapped fresh each step and every 4 KiB page faults on first touch; a fresh 88 MiB
-        buffer filled 4.4x faster advised (bench/results/hugepages.md). The values are the same either way.
-        ``False``: plain pages. No effect on CUDA (its caching allocator), off Linux, or where THP is ``never``.""")
+        buffer filled 4.4x faster advised (bench/results/hugepages.md). The values are the same either way. Where
+        memory is fragmented the kernel may compact it to find a huge page (its THP ``defrag`` setting): set
+        ``False`` if steps stall in page faults. ``False``: plain pages. No effect on CUDA (its caching allocator),
+        off Linux, or where THP is ``never``.""")
     gather_quant: str = knob("none", """Compressed parameter all-gathers (zero3 / fsdp_shard; ZeRO++'s qwZ):
         ``"int8"`` sends each rank's shard block-quantized (one fp32 scale per ``quant_block`` elements) in the gathers
         of forward and backward: ~1/4 of fp32's bytes, ~1/2 of bf16's. The fp32 masters, the optimizer and what
