@@ -86,8 +86,9 @@ def main() -> None:
            "iters": args.iters, "repeats": args.repeats}
     lines = ["# A fresh host buffer, plain pages against huge-page advice", "",
              f"{doc['machine']}; one thread; per round: allocate a fresh fp32 buffer, write it once (a copy from "
-             f"another buffer, or zeros), free it; ms per round, best of {args.repeats} x {args.iters} rounds, with the "
-             "minor page faults of that round. Floor: the same copy into a buffer allocated once.",
+             "another buffer, or zeros), free it; ms per round, best of "
+             f"{args.repeats} x {args.iters} rounds, with the minor page faults of that round. Floor: the same copy "
+             "into a buffer allocated once.",
              f"Command: `{doc['command']}`.", "",
              "| MiB | copy: plain ms (faults) | copy: advised ms (faults) | plain / advised | zeros: plain ms (faults) "
              "| zeros: advised ms (faults) | plain / advised | floor: preallocated copy ms |",
@@ -100,8 +101,8 @@ def main() -> None:
                       f"{a['ms'] / b['ms']:.2f}"]
         lines.append(f"| {r['mib']:g} | " + " | ".join(cells) + f" | {r['preallocated copy ms']:.2f} |")
     lines += ["", "Buffers of 32 MiB or less may come from glibc's heap, already mapped (few faults either way); "
-              "above, every round is a fresh mapping. The engine's buckets are 25 MiB by default and grow past it by up "
-              "to one parameter (bucket_mb), zero3 units are what their modules hold.", ""]
+              "above, every round is a fresh mapping. The engine's buckets are 25 MiB by default and grow past it by "
+              "up to one parameter (bucket_mb), zero3 units are what their modules hold.", ""]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hugepages.json").write_text(json.dumps(doc, indent=1))
