@@ -36,7 +36,8 @@ def thp_mode() -> str:
     if not sys.platform.startswith("linux"):
         return ""
     try:
-        text = open(THP_ENABLED).read()
+        with open(THP_ENABLED) as f:
+            text = f.read()
     except OSError:
         return ""
     start, end = text.find("["), text.find("]")
