@@ -59,10 +59,13 @@ def _model(model: str) -> nn.Module:
 
 def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "adam",
               clip: Optional[float] = None, bf16_autocast: bool = False,
-              epoch_steps: Optional[int] = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+              epoch_steps: Optional[int] = None,
+              discard_first: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, plain torch: the same global batch per optimizer step (every rank's micro-batches);
     ``bf16_autocast``: forward and loss under CPU bf16 autocast, as Fabric's ``"bf16-mixed"``; ``epoch_steps``: the
-    data holds that many steps and is run again each epoch (as a Trainer with a longer ``max_steps`` does)."""
+    data holds that many steps and is run again each epoch (as a Trainer with a longer ``max_steps`` does);
+    ``discard_first``: every rank's first micro-batch of every window is thrown away (``zero_grad(set_to_none=True)``
+    after the backward of the last of them)."""
     from contextlib import nullcontext
 
     L.seed_everything(0, verbose=False)
@@ -76,6 +79,8 @@ def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "ad
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else nullcontext():
             loss = _loss(net, tokens, i)
         (loss / n).backward()
+        if discard_first and i % n == world - 1:  # every rank's first micro-batch: global ones 0 .. world-1
+            net.zero_grad(set_to_none=True)
         if (i + 1) % n == 0:
             if clip is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip)))
@@ -89,7 +94,7 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
                save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
                first_step: int = 0, empty_init: bool = False, separate_setup: bool = False,
                compile_backend: Optional[str] = None, compile_whole: bool = False,
-               compile_wrapped: bool = False) -> dict[str, Any]:
+               compile_wrapped: bool = False, discard_first: bool = False) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with ``acc`` micro-batches each in a Fabric loop; ``save_to`` after
     ``save_step`` steps (``fabric.save``), ``load_from`` before the first (``fabric.load``). Returns the weights as
     a user saves them (``model.state_dict()``), the ledger's (op, tag) per micro-batch and what load returned."""
@@ -134,6 +139,8 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
         boundary = (i + 1) % acc == 0
         with fabric.no_backward_sync(net, enabled=not boundary):
             fabric.backward(_loss(net, tokens, i) / acc)
+        if discard_first and i % acc == 0:  # the user drops this micro-batch's gradients (``net.zero_grad``)
+            net.zero_grad(set_to_none=True)
         if boundary:
             if clip is not None:
                 norms.append(float(fabric.clip_gradients(net, opt, max_norm=clip)))

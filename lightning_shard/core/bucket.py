@@ -194,6 +194,9 @@ class Bucket:
         self.state = GradState.EMPTY
         self.pending = 0
         self.lazy = False  # the full gradient buffer is allocated when this backward's first gradient arrives
+        # ``grad_buf`` holds only zeros (just allocated, or zeroed at the end of a window, and nothing written since):
+        # a cleared ``.grad`` (None) can then point at its view without zeroing it a second time
+        self._grads_zero = False
         self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
@@ -328,24 +331,27 @@ class Bucket:
         if self.grad_buf is None:
             self.grad_buf = hostmem.zeros(self.layout.padded_numel, self.dtype, self.device, self.huge_pages)
             self.grad_views = slot_views(self.layout, self.grad_buf)
+            self._grads_zero = True
         if self.spec.shards_params and self.param_state is not ParamState.UNSHARDED:
             self.pending = len(self.params)
             return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
         for p, view in zip(self.params, self.grad_views):
             g = p.grad
             if g is None:
-                if not self.spec.shards_params:  # stages 0-2: the user cleared this gradient
-                    # (zero_grad(set_to_none=True))
+                if not self.spec.shards_params and not self._grads_zero:  # stages 0-2: the user cleared this
+                    # gradient (zero_grad(set_to_none=True)) after something was written into the buffer
                     view.zero_()  # stage 3 detaches .grad at every reshard: the buffer is the truth
                 p.grad = view
             elif g.data_ptr() != view.data_ptr():
                 view.copy_(g)
                 p.grad = view
+                self._grads_zero = False
         self.pending = len(self.params)
 
     def adopt_grad(self, i: int) -> None:
         """Called from the post-accumulate hook: make sure parameter ``i``'s gradient lives in the buffer."""
         p, view = self.params[i], self.grad_views[i]
+        self._grads_zero = False
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
@@ -356,7 +362,7 @@ class Bucket:
         for p in self.params:
             if not self.spec.shards_params or self.param_state is ParamState.UNSHARDED:
                 p.grad = None
-        self.grad_buf, self.grad_views = None, []
+        self.grad_buf, self.grad_views, self._grads_zero = None, [], False
 
     # ------------------------------------------------------------------ communication
     def launch_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> None:
@@ -368,6 +374,7 @@ class Bucket:
         self.set_state(GradState.REDUCING)
         if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
             self.attach_grads()
+        self._grads_zero = False  # the collective and the averaging write into the buffer (stages 0/1: in place)
         tag = f"grad_bucket{self.index}"
         if self.reduce_q is not None:  # (world > 1 only: core/quant.py)
             self._launch_quantized_reduce(async_op, tag)
@@ -525,6 +532,7 @@ class Bucket:
                 self.release_grads()
             else:
                 self.grad_buf.zero_()
+                self._grads_zero = True
         self.set_state(GradState.EMPTY)
 
     # ------------------------------------------------------------------ accounting
