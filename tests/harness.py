@@ -28,7 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, conn: Any, nodes: int = 1) -> None:
+def _worker(rank: int, world: int, port: int, conn: Any, nodes: int = 1, parent_end: Any = None) -> None:
+    if parent_end is not None:  # the fork copied the parent's end of our pipe: close it, so that the parent's death
+        parent_end.close()  # reads as EOF below instead of leaving this rank waiting forever
     local = world // nodes  # node-major numbering, as torchrun and SLURM do
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank % local),
                       WORLD_SIZE=str(world), NODE_RANK=str(rank // local), LOCAL_WORLD_SIZE=str(local),
@@ -41,7 +43,10 @@ def _worker(rank: int, world: int, port: int, conn: Any, nodes: int = 1) -> None
     C.init_process_group("gloo", rank, world, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
     conn.send_bytes(pickle.dumps((True, READY)))
     while True:
-        msg = pickle.loads(conn.recv_bytes())
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the test process is gone (killed, timed out): nobody will close this world
+            os._exit(3)
         if msg is None:
             break
         module, name, args, kwargs = msg
@@ -68,7 +73,7 @@ class World:
         self.conns, self.procs = [], []
         for r in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, size, port, child, nodes), daemon=True)
+            p = ctx.Process(target=_worker, args=(r, size, port, child, nodes, parent), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
