@@ -211,6 +211,11 @@ class Bucket:
     def set_state(self, new: GradState) -> None:
         self.state = transition(self.state, new, f"bucket {self.index} ({self.names[0]}...)")
 
+    def _step_buffer(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        """A buffer this bucket allocates every step, on its device: advised as huge pages on CPU (``huge_pages``,
+        core/hostmem.py); ``zero``: zero-filled after the advice."""
+        return (hostmem.zeros if zero else hostmem.empty)(numel, dtype, self.device, self.huge_pages)
+
     # ------------------------------------------------------------------ stage 3: parameter materialization
     def unshard(self, async_op: bool, exact: bool = False) -> None:
         """Start the all-gather of the full parameters (stage 3); :meth:`wait_unshard` makes them usable. With
@@ -222,7 +227,7 @@ class Bucket:
         # every view of it (autograd's saved ``weight.t()`` of an ``F.linear`` included) loses its memory when the
         # unit is resharded and sees the gathered values again in backward
         if self._full is None:
-            self._full = hostmem.empty(self.layout.padded_numel, self.dtype, self.device, self.huge_pages)
+            self._full = self._step_buffer(self.layout.padded_numel, self.dtype)
         else:
             self._full.untyped_storage().resize_(self.layout.padded_numel * self.itemsize)
             if self.huge_pages:  # a fresh allocation, not written yet
@@ -329,7 +334,7 @@ class Bucket:
         """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
         self.lazy = False
         if self.grad_buf is None:
-            self.grad_buf = hostmem.zeros(self.layout.padded_numel, self.dtype, self.device, self.huge_pages)
+            self.grad_buf = self._step_buffer(self.layout.padded_numel, self.dtype, zero=True)
             self.grad_views = slot_views(self.layout, self.grad_buf)
             self._grads_zero = True
         if self.spec.shards_params and self.param_state is not ParamState.UNSHARDED:
@@ -398,9 +403,9 @@ class Bucket:
                     # it (NCCL's in-place layout; gloo too), so the averaged shard costs no buffer of its own
                     self._out = self.grad_buf[self.shard_start:self.shard_end]
                 else:
-                    self._out = hostmem.empty(self.layout.shard_numel, reduce_dtype, self.device, self.huge_pages)
+                    self._out = self._step_buffer(self.layout.shard_numel, reduce_dtype)
                 if self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
-                    self._pieces = hostmem.empty(src.numel(), src.dtype, self.device, self.huge_pages)
+                    self._pieces = self._step_buffer(src.numel(), src.dtype)
                     self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
                 else:
                     self._work = C.reduce_scatter(self._out, src, group=self.group, async_op=async_op, tag=tag)
@@ -410,21 +415,21 @@ class Bucket:
         j is rank j's range); what quantization loses stays in ``residual`` for the next reduction, so over many
         steps the gradients applied sum to the gradients computed, within one step's quantization error."""
         q = self.reduce_q
-        x = hostmem.empty(self.grad_buf.numel(), torch.float32, self.device, self.huge_pages).copy_(self.grad_buf)
+        x = self._step_buffer(self.grad_buf.numel(), torch.float32).copy_(self.grad_buf)
         if self.residual is not None:
             x.add_(self.residual)
         nbytes = self.world * q.piece_bytes
-        self._qsend = hostmem.empty(nbytes, torch.uint8, self.device, self.huge_pages).view(self.world, -1)
+        self._qsend = self._step_buffer(nbytes, torch.uint8).view(self.world, -1)
         sent = Q.quantize(x.view(self.world, -1), q, self._qsend)
         if self.error_feedback:
             # a non-finite gradient (an fp16 overflow, a step skip_nonfinite skips) leaves no error to carry: without
             # this a nan would stay in the residual and poison every later reduction
             self.residual = x.view(self.world, -1).sub_(sent).view(-1).nan_to_num_(0.0, 0.0, 0.0)
-        self._pieces = hostmem.empty(nbytes, torch.uint8, self.device, self.huge_pages).view(self.world, -1)
+        self._pieces = self._step_buffer(nbytes, torch.uint8).view(self.world, -1)
         if self.grad_buf.dtype == torch.float32 and not self.spec.frees_grads:
             self._out = self.grad_buf[self.shard_start:self.shard_end]  # stage 1: into its own range, as unquantized
         else:
-            self._out = hostmem.empty(self.layout.shard_numel, torch.float32, self.device, self.huge_pages)
+            self._out = self._step_buffer(self.layout.shard_numel, torch.float32)
         self._work = C.all_to_all(self._pieces.view(-1), self._qsend.view(-1), group=self.group, async_op=async_op,
                                   tag=tag)
 
@@ -446,7 +451,7 @@ class Bucket:
             mine = out[: self.owned_numel]
         if accumulate:
             if self.accum is None:
-                self.accum = hostmem.zeros(self.owned_numel, torch.float32, self.device, self.huge_pages)
+                self.accum = self._step_buffer(self.owned_numel, torch.float32, zero=True)
             self.accum.add_(mine)
             mine = self.accum
         elif self.rs_via_all_reduce and self.spec.frees_grads and mine.dtype == self.shard_param.dtype:
