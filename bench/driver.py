@@ -261,8 +261,11 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not good:
         return runs[0]
     out = dict(good[0])
-    out["repeats"] = [{k: r[k] for k in ("tokens_per_s_mean", "tokens_per_s_per_rank", "median_step_s_per_rank",
-                                         "phase_s_per_step_rank0", "engine_s_per_step_rank0", "variant_wall_s")}
+    out["repeats"] = [{k: r.get(k) for k in ("tokens_per_s_mean", "tokens_per_s_per_rank", "median_step_s_per_rank",
+                                             "phase_s_per_step_rank0", "engine_s_per_step_rank0", "variant_wall_s",
+                                             "off_cpu_s_per_step_rank0", "minor_faults_per_step_rank0",
+                                             "cpu_s_per_step_rank0", "process_cpu_s_per_step_all_ranks",
+                                             "step_times_s_rank0")}
                       for r in good]
     out["failed_repeats"] = len(runs) - len(good)
     out["tokens_per_s_mean"] = sum(r["tokens_per_s_mean"] for r in good) / len(good)
@@ -293,6 +296,7 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "variant": variant, "note": NOTES[variant], "variant_wall_s": wall,
         "tokens_per_s_rank0": tps[0], "tokens_per_s_mean": sum(tps) / len(tps), "tokens_per_s_per_rank": tps,
         "median_step_s_per_rank": [r["median_step_s"] for r in ranks],
+        "step_times_s_rank0": ranks[0].get("step_times_s"),
         "optimizer_state_mib_per_rank": [round(r["optimizer_state_bytes"] / mib, 2) for r in ranks],
         "model_state_mib_per_rank": [round(r["model_state"]["total"] / mib, 2) for r in ranks],
         "model_state_bytes_each_rank": [r["model_state"] for r in ranks],

@@ -140,11 +140,30 @@ def _ratio(r: dict[str, Any], base: dict[str, Any] | None) -> str:
     return f"{best(r) / best(base):.3f}"
 
 
+def paired(r: dict[str, Any], base: dict[str, Any] | None) -> list[float]:
+    """Round by round, this variant's tokens/s over the baseline's in the same round (the runs of one round are
+    run back to back, so a slow spell of the machine slows both): the per-round ratios, in round order."""
+    if not base or "error" in base or "error" in r:
+        return []
+    return [a["tokens_per_s_mean"] / b["tokens_per_s_mean"]
+            for a, b in zip(r.get("repeats", []), base.get("repeats", []))]
+
+
+def _paired(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+    ratios = sorted(paired(r, base))
+    if len(ratios) < 2:
+        return "-"
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return f"{median:.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = None) -> list[str]:
     res = s["results"]
     base_single, ddp, fsdp2 = res.get("single"), res.get("ddp"), res.get("fsdp2")
-    head = "| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 |"
-    sep = "| --- | ---: | --- | ---: | ---: |"
+    head = ("| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 | vs DDP, paired: median (range) | "
+            "vs FSDP2, paired |")
+    sep = "| --- | ---: | --- | ---: | ---: | ---: | ---: |"
     if table == "world1":
         head, sep = head + " vs single |", sep + " ---: |"
     if table == "scaling" and world1 is not None:
@@ -154,10 +173,11 @@ def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = No
     lines = [head, sep]
     for v, r in res.items():
         if "error" in r:
-            lines.append(f"| {v} | failed: {r.get('error_line') or r['error']} | | | |")
+            lines.append(f"| {v} | failed: {r.get('error_line') or r['error']} | | | | | |")
             continue
         runs = "/".join(f"{x['tokens_per_s_mean']:.0f}" for x in r.get("repeats", []))
-        row = f"| {v} | {best(r):.0f} | {runs} | {_ratio(r, ddp)} | {_ratio(r, fsdp2)} |"
+        row = (f"| {v} | {best(r):.0f} | {runs} | {_ratio(r, ddp)} | {_ratio(r, fsdp2)} | {_paired(r, ddp)} | "
+               f"{_paired(r, fsdp2)} |")
         if table == "world1":
             row += f" {_ratio(r, base_single)} |"
         if table == "scaling" and world1 is not None:
@@ -205,7 +225,9 @@ def markdown_speed(doc: dict[str, Any]) -> str:
              f"{m['lightning']}, python {m['python']}. fp32 AdamW, seq {m['model']['block_size']}; "
              f"{m['warmup_steps']} warmup + {m['timed_steps']} timed steps per run, {m['repeats']} runs per variant in "
              "alternating order (ABC CBA ...); tokens/s per rank between the first and the last timed step, the "
-             f"best run's; every strategy with default knobs; bucket_mb={m['bucket_mb']}; profiler window "
+             "best run's; paired: the median (and range) over rounds of the ratio of runs in the same round, which "
+             "a slow spell of the machine affects less; every strategy with default knobs; "
+             f"bucket_mb={m['bucket_mb']}; profiler window "
              f"{m.get('profile_steps')} steps after the timed ones.",
              f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s).", ""]
     world1 = doc["row_sets"][0] if doc["table"] == "scaling" else None

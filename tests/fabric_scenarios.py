@@ -29,6 +29,29 @@ class TorchLM(nn.Module):
         return self.head(self.enc(self.emb(tokens)))
 
 
+def uses_side(tokens: torch.Tensor) -> bool:
+    """Whether :class:`BranchyLM` runs its side layer on this micro-batch (decided by the data alone)."""
+    return int(tokens[0, 0]) % 3 == 0
+
+
+class BranchyLM(nn.Module):
+    """A side layer that only some micro-batches run: in a window one rank may use it and the other not, and a rank
+    that used it in one window may not in the next (its gradient range must then count as zero, not as last
+    window's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.side = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        if uses_side(tokens):
+            h = h + torch.tanh(self.side(h))
+        return self.head(h)
+
+
 def _loss(model: Any, tokens: torch.Tensor, i: int = 0) -> torch.Tensor:
     if isinstance(getattr(model, "module", model), L.LightningModule):  # Fabric redirects it through forward
         return model.training_step((tokens,), i)
@@ -47,10 +70,13 @@ def _optimizer(module: nn.Module, name: str) -> torch.optim.Optimizer:
 
 def _model(model: str) -> nn.Module:
     """``tiny_lm``: a LightningModule (its training_step in the loop); ``gpt``: the same GPT as a plain module;
-    ``torch_lm``: torch's own layers; ``stack``: layers whose ``reset_parameters`` is their whole init (deferred
-    init draws the same values as a full one)."""
+    ``torch_lm``: torch's own layers; ``branchy``: a layer some micro-batches skip (:class:`BranchyLM`);
+    ``stack``: layers whose ``reset_parameters`` is their whole init (deferred init draws the same values as a full
+    one)."""
     if model == "torch_lm":
         return TorchLM()
+    if model == "branchy":
+        return BranchyLM()
     if model == "stack":
         return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, VOCAB))
     module = TinyLMModule()

@@ -194,9 +194,11 @@ class Bucket:
         self.state = GradState.EMPTY
         self.pending = 0
         self.lazy = False  # the full gradient buffer is allocated when this backward's first gradient arrives
-        # ``grad_buf`` holds only zeros (just allocated, or zeroed at the end of a window, and nothing written since):
-        # a cleared ``.grad`` (None) can then point at its view without zeroing it a second time
-        self._grads_zero = False
+        # stages 0-2: which parameters' ranges of ``grad_buf`` hold this window's gradient. A range that does not is
+        # void (never zeroed in advance): the parameter's ``.grad`` is None, so autograd hands its next gradient over
+        # whole and :meth:`adopt_grad` copies it in (a copy, where an add into a zeroed view would read the range
+        # twice and the zeroing write it once more); a range still void at the reduction is zeroed then
+        self._filled: list[bool] = []
         self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
@@ -331,43 +333,64 @@ class Bucket:
         self.pending = len(self.params)
 
     def attach_grads(self) -> None:
-        """Make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled)."""
+        """Stage 3: make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled).
+        Stages 0-2: allocate ``grad_buf`` on first use (not zeroed: see ``_filled``) and take in what the
+        parameters' ``.grad`` hold; a gradient the window already has stays a view (autograd adds into it)."""
         self.lazy = False
         if self.grad_buf is None:
-            self.grad_buf = self._step_buffer(self.layout.padded_numel, self.dtype, zero=True)
+            self.grad_buf = self._step_buffer(self.layout.padded_numel, self.dtype, zero=self.spec.shards_params)
             self.grad_views = slot_views(self.layout, self.grad_buf)
-            self._grads_zero = True
-        if self.spec.shards_params and self.param_state is not ParamState.UNSHARDED:
-            self.pending = len(self.params)
-            return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
-        for p, view in zip(self.params, self.grad_views):
+            self._filled = [False] * len(self.params)
+        self.pending = len(self.params)
+        if self.spec.shards_params:
+            if self.param_state is not ParamState.UNSHARDED:
+                return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
+            for p, view in zip(self.params, self.grad_views):
+                if p.grad is None:  # stage 3 detaches .grad at every reshard: the buffer is the truth
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+            return
+        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
             g = p.grad
             if g is None:
-                if not self.spec.shards_params and not self._grads_zero:  # stages 0-2: the user cleared this
-                    # gradient (zero_grad(set_to_none=True)) after something was written into the buffer
-                    view.zero_()  # stage 3 detaches .grad at every reshard: the buffer is the truth
-                p.grad = view
-            elif g.data_ptr() != view.data_ptr():
+                if self._filled[i]:  # the user dropped this window's gradient (zero_grad(set_to_none=True)): as
+                    self._filled[i] = False  # in torch, the parameter has none unless a later backward brings one
+                    self.used[i] = 0
+            elif g.data_ptr() != view.data_ptr():  # a gradient set by hand: it is this window's
                 view.copy_(g)
                 p.grad = view
-                self._grads_zero = False
-        self.pending = len(self.params)
+                self._filled[i] = True
+            elif not self._filled[i]:  # a view of a void range: autograd must not add into it
+                p.grad = None
 
     def adopt_grad(self, i: int) -> None:
         """Called from the post-accumulate hook: make sure parameter ``i``'s gradient lives in the buffer."""
         p, view = self.params[i], self.grad_views[i]
-        self._grads_zero = False
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
+        if p.grad is not None:
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+            if self._filled:
+                self._filled[i] = True
         self.used[i] = 1
         self.pending -= 1
+
+    def _fill_void(self) -> None:
+        """Stages 0-2, before a reduction: zero the ranges no gradient reached in this window, and the padding (a
+        quantized reduction into this buffer need not leave it zero)."""
+        for i, done in enumerate(self._filled):
+            if not done:
+                self.grad_views[i].zero_()
+                self._filled[i] = True
+        self.grad_buf[self.layout.numel:].zero_()
 
     def release_grads(self) -> None:
         for p in self.params:
             if not self.spec.shards_params or self.param_state is ParamState.UNSHARDED:
                 p.grad = None
-        self.grad_buf, self.grad_views, self._grads_zero = None, [], False
+        self.grad_buf, self.grad_views, self._filled = None, [], []
 
     # ------------------------------------------------------------------ communication
     def launch_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> None:
@@ -379,7 +402,8 @@ class Bucket:
         self.set_state(GradState.REDUCING)
         if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
             self.attach_grads()
-        self._grads_zero = False  # the collective and the averaging write into the buffer (stages 0/1: in place)
+        if not self.spec.shards_params:
+            self._fill_void()
         tag = f"grad_bucket{self.index}"
         if self.reduce_q is not None:  # (world > 1 only: core/quant.py)
             self._launch_quantized_reduce(async_op, tag)
@@ -535,9 +559,10 @@ class Bucket:
         if self.grad_buf is not None:
             if self.spec.frees_grads:
                 self.release_grads()
-            else:
-                self.grad_buf.zero_()
-                self._grads_zero = True
+            else:  # stages 0/1 keep the buffer: its ranges are void until the next window's gradients arrive
+                for p in self.params:
+                    p.grad = None
+                self._filled = [False] * len(self.params)
         self.set_state(GradState.EMPTY)
 
     # ------------------------------------------------------------------ accounting

@@ -179,8 +179,8 @@ def error_feedback_sums(reduce_quant: str, steps: int, feedback: bool, nan_at: i
         grad[::64] = 1.0  # the block's absmax: a step of 1/127 (int8) or 1/7 (int4)
         if step == nan_at:  # an overflow: that step is skipped (as skip_nonfinite / the fp16 scaler do)
             grad[5] = float("nan")
+        p.grad = grad.clone()  # a gradient set by hand: attach_grads takes it into the bucket's buffer
         b.attach_grads()
-        b.grad_buf.copy_(grad)
         b.launch_reduce(torch.float32, async_op=True)
         b.finish_reduce(boundary=True, accumulate=False)
         b.set_state(GradState.EMPTY)
