@@ -47,6 +47,7 @@ def child(args: argparse.Namespace) -> None:
     net = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     net, opt = fabric.setup(net, opt)
+    torch.set_num_threads(1)  # Lightning's distributed strategies set cores / local ranks (2 here) at launch
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 16384, (8, 128), generator=g)
     back, step, faults = [], [], []
@@ -63,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
             back.append(t2 - t1)
             step.append(t3 - t0)
             faults.append(f1 - f0)
-    print(json.dumps({"backward_s": statistics.median(back), "step_s": statistics.median(step),
+    print(json.dumps({"threads": torch.get_num_threads(), "backward_s": statistics.median(back), "step_s": statistics.median(step),
                       "faults_per_step": statistics.mean(faults), "loss": loss.item()}))
 
 
