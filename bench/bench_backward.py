@@ -64,8 +64,9 @@ def child(args: argparse.Namespace) -> None:
             back.append(t2 - t1)
             step.append(t3 - t0)
             faults.append(f1 - f0)
-    print(json.dumps({"threads": torch.get_num_threads(), "backward_s": statistics.median(back), "step_s": statistics.median(step),
-                      "faults_per_step": statistics.mean(faults), "loss": loss.item()}))
+    print(json.dumps({"threads": torch.get_num_threads(), "backward_s": statistics.median(back),
+                      "step_s": statistics.median(step), "faults_per_step": statistics.mean(faults),
+                      "loss": loss.item()}))
 
 
 def main() -> None:
