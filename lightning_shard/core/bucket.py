@@ -489,7 +489,8 @@ class Bucket:
             C.all_reduce(mine, group=self.replicate_group, tag=f"replicate_bucket{self.index}")
         if mine.dtype != self.shard_param.dtype:
             mine = mine.to(self.shard_param.dtype)
-        mine.div_(self.total_world)
+        if self.total_world > 1:  # (x / 1 is x: at world 1 the pass over the shard is skipped, bit for bit the same)
+            mine.div_(self.total_world)
         if self.offload:  # the optimizer steps in host memory: copy the gradient shard out
             if self.host_grad is None:
                 self.host_grad = host_buffer(self.owned_numel, self.device)
