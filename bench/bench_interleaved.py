@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -38,17 +37,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}
 
 
+# the speed suite's world-1 model (bench/variants.py builds it for every suite)
+MODEL = argparse.Namespace(model="hf_gpt2", n_layer=6, n_embd=384, n_head=6, vocab=16384, block_size=128)
+
+
 def build(variant: str, seed: int):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from variants import build_model
 
     from lightning_shard.core.config import UnitConfig
     from lightning_shard.core.engine import ShardEngine
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=6, n_embd=384, n_head=6, vocab_size=16384, n_positions=128, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=16383, eos_token_id=16383)
-    net = GPT2LMHeadModel(cfg)
+    net = build_model(MODEL)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     if variant == "plain":
         return net, opt, None
@@ -63,6 +64,9 @@ def build(variant: str, seed: int):
         net.register_forward_pre_hook(lambda m, a: ctl.step_pre_forward())
         net.register_forward_hook(lambda m, a, out: ctl.step_post_forward(out))
     return net, opt, engine
+
+
+FIELDS = ("step", "cpu", "forward", "backward", "optimizer")  # what one_step returns, in this order
 
 
 def one_step(net, opt, engine, tokens) -> tuple[float, float, float, float, float]:
@@ -110,18 +114,16 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE))
     import torch
+    from gpu_probes import free_port
 
     torch.set_num_threads(1)
     from lightning_shard.core import collectives as C
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{port}", timedelta(seconds=60))
+    C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{free_port()}", timedelta(seconds=60))
     names = ["plain"] + list(args.variants)
     models = {n: build(n, seed=0) for n in names}
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 16384, (8, 128), generator=g) for _ in range(4)]
+    batches = [torch.randint(0, MODEL.vocab, (8, MODEL.block_size), generator=g) for _ in range(4)]
     rows: dict[str, list[tuple[float, ...]]] = {n: [] for n in names}
     for r in range(args.warmup + args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -139,9 +141,6 @@ def main() -> None:
             losses[n] = net(input_ids=batches[0], labels=batches[0]).loss.item()
     C.destroy_process_group()
 
-    def med(xs):
-        return statistics.median(xs)
-
     def quart(xs):  # quartiles (one round: the value itself)
         return statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
 
@@ -155,11 +154,9 @@ def main() -> None:
         cpu_ratio = [a[1] / b[1] for a, b in zip(rs, base)]
         result["variants"][n] = {
             "step_s": [x[0] for x in rs], "cpu_s": [x[1] for x in rs],
-            "median_step_s": med([x[0] for x in rs]), "median_cpu_s": med([x[1] for x in rs]),
-            "median_forward_s": med([x[2] for x in rs]), "median_backward_s": med([x[3] for x in rs]),
-            "median_optimizer_s": med([x[4] for x in rs]),
-            "paired_wall_ratio_median": med(wall_ratio), "paired_wall_ratio_q": quart(wall_ratio),
-            "paired_cpu_ratio_median": med(cpu_ratio), "paired_cpu_ratio_q": quart(cpu_ratio)}
+            **{f"median_{k}_s": statistics.median(x[i] for x in rs) for i, k in enumerate(FIELDS)},
+            "paired_wall_ratio_median": statistics.median(wall_ratio), "paired_wall_ratio_q": quart(wall_ratio),
+            "paired_cpu_ratio_median": statistics.median(cpu_ratio), "paired_cpu_ratio_q": quart(cpu_ratio)}
     lines = ["# World 1: the engine's overhead, interleaved with a plain loop in one process", "",
              f"HF GPT-2 6 x 384 (vocab 16384), micro-batch 8 x 128, fp32 AdamW, 1 thread, gloo world 1; torch "
              f"{torch.__version__}; {args.rounds} timed rounds after {args.warmup}, each one optimizer step of every "
