@@ -217,3 +217,36 @@ def double_backward() -> None:
             fabric.backward(_loss(net, tokens))
     finally:
         fabric.strategy.teardown()
+
+
+def shard_alias_probe(strategy: str, model: str = "torch_lm") -> dict[str, Any]:
+    """World 1, stage 3: two forwards and backwards, recording inside every forward whether each parameter the
+    module computes with is a view of its bucket's persistent shard (no gathered copy), and the engine's ledger of
+    gathered bytes after a forward."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    L.seed_everything(0, verbose=False)
+    net = _model(model)
+    opt = _optimizer(net, "adam")
+    net, opt = fabric.setup(net, opt)
+    engine = fabric.strategy.engine
+    shards = {b.shard.untyped_storage().data_ptr() for b in engine.buckets}
+    seen: list[bool] = []
+
+    def probe(module: nn.Module, _args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            seen.append(p.numel() > 0 and p.untyped_storage().data_ptr() in shards)
+
+    hooks = [m.register_forward_pre_hook(probe) for m in net.modules()
+             if next(m.parameters(recurse=False), None) is not None]
+    tokens = dataset(1, 1, 1, "tiny_lm").tensors[0][:4]
+    for _ in range(2):
+        loss = _loss(net, tokens)
+        gathered = engine.memory_report().get("gathered_params")
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    for h in hooks:
+        h.remove()
+    fabric.strategy.teardown()
+    return {"seen": seen, "gathered": gathered}

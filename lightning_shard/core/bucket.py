@@ -194,10 +194,10 @@ class Bucket:
         self.state = GradState.EMPTY
         self.pending = 0
         self.lazy = False  # the full gradient buffer is allocated when this backward's first gradient arrives
-        # stages 0-2: which parameters' ranges of ``grad_buf`` hold this window's gradient. A range that does not is
-        # void (never zeroed in advance): the parameter's ``.grad`` is None, so autograd hands its next gradient over
-        # whole and :meth:`adopt_grad` copies it in (a copy, where an add into a zeroed view would read the range
-        # twice and the zeroing write it once more); a range still void at the reduction is zeroed then
+        # which parameters' ranges of ``grad_buf`` hold this window's gradient (stage 3: this backward's). A range
+        # that does not is void (never zeroed in advance): the parameter's ``.grad`` is None, so autograd hands its
+        # next gradient over whole and :meth:`adopt_grad` copies it in (a copy, where an add into a zeroed view would
+        # read the range twice and the zeroing write it once more); a range still void at the reduction is zeroed then
         self._filled: list[bool] = []
         self.used = torch.zeros(len(params), dtype=torch.uint8)  # got a gradient in this window (hook fired)
         self._src: Optional[torch.Tensor] = None
@@ -225,6 +225,12 @@ class Bucket:
         if self.param_state is not ParamState.SHARDED:
             return
         self.param_state = param_transition(self.param_state, ParamState.GATHERING, f"bucket {self.index}")
+        if self._aliases_shard():  # a gather group of one rank: the shard is the whole buffer, used as it is
+            self.flat_param = self.shard
+            self.gauge.add(self.layout.padded_numel * self.itemsize)
+            self._gather_exact = exact
+            self._gather_work = None
+            return
         # one full buffer per bucket, kept across reshards; its *storage* is freed at reshard and regrown here, so
         # every view of it (autograd's saved ``weight.t()`` of an ``F.linear`` included) loses its memory when the
         # unit is resharded and sees the gathered values again in backward
@@ -256,6 +262,14 @@ class Bucket:
                 return
             self._gather_work = C.all_gather(self.flat_param, src, group=self.gather_group, async_op=async_op,
                                              tag=f"unshard_bucket{self.index}", via=self.ag_path)
+
+    def _aliases_shard(self) -> bool:
+        """Stage 3 with a gather group of one rank (world 1, or hybrid islands of one): the persistent shard is the
+        whole padded buffer, so the module's parameters are views of it while the unit is gathered, with no copy
+        into a fresh buffer at every gather. Not with the shard in host memory (``offload_params``: the module
+        computes on the device) nor with hpZ island copies."""
+        return (self._solo_gather and not self.offload_params and self.secondary_group is None
+                and self.shard is not None and self.shard.numel() == self.layout.padded_numel)
 
     def _launch_quantized_gather(self, src: torch.Tensor, async_op: bool) -> Any:
         """Quantize this rank's shard (from the fp32 master where there is one: the values the optimizer keeps) and
@@ -333,24 +347,27 @@ class Bucket:
         self.pending = len(self.params)
 
     def attach_grads(self) -> None:
-        """Stage 3: make every parameter's ``.grad`` a view into ``grad_buf`` (allocated on first use, zero-filled).
-        Stages 0-2: allocate ``grad_buf`` on first use (not zeroed: see ``_filled``) and take in what the
-        parameters' ``.grad`` hold; a gradient the window already has stays a view (autograd adds into it)."""
+        """Allocate ``grad_buf`` on first use (not zeroed: see ``_filled``) and take in what the parameters'
+        ``.grad`` hold; a gradient the window already has stays a view (autograd adds into it)."""
         self.lazy = False
         if self.grad_buf is None:
-            self.grad_buf = self._step_buffer(self.layout.padded_numel, self.dtype, zero=self.spec.shards_params)
+            self.grad_buf = self._step_buffer(self.layout.padded_numel, self.dtype)
             self.grad_views = slot_views(self.layout, self.grad_buf)
             self._filled = [False] * len(self.params)
         self.pending = len(self.params)
         if self.spec.shards_params:
             if self.param_state is not ParamState.UNSHARDED:
-                return  # no .grad views on empty placeholders; the zero buffer is reduced as it is
-            for p, view in zip(self.params, self.grad_views):
+                return  # no .grad views on empty placeholders; void ranges are zeroed at the reduction
+            for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
                 if p.grad is None:  # stage 3 detaches .grad at every reshard: the buffer is the truth
-                    p.grad = view
+                    if self._filled[i]:
+                        p.grad = view
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
+                    self._filled[i] = True
+                elif not self._filled[i]:
+                    p.grad = None
             return
         for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
             g = p.grad
@@ -378,8 +395,8 @@ class Bucket:
         self.pending -= 1
 
     def _fill_void(self) -> None:
-        """Stages 0-2, before a reduction: zero the ranges no gradient reached in this window, and the padding (a
-        quantized reduction into this buffer need not leave it zero)."""
+        """Before a reduction: zero the ranges no gradient reached in this window, and the padding (a quantized
+        reduction into this buffer need not leave it zero)."""
         for i, done in enumerate(self._filled):
             if not done:
                 self.grad_views[i].zero_()
@@ -402,8 +419,7 @@ class Bucket:
         self.set_state(GradState.REDUCING)
         if self.grad_buf is None:  # boundary reached with no backward in this window: contribute zeros
             self.attach_grads()
-        if not self.spec.shards_params:
-            self._fill_void()
+        self._fill_void()
         tag = f"grad_bucket{self.index}"
         if self.reduce_q is not None:  # (world > 1 only: core/quant.py)
             self._launch_quantized_reduce(async_op, tag)
@@ -584,7 +600,8 @@ class Bucket:
                "accumulators": nb(self.accum), "error_feedback": nb(self.residual),
                "secondary_params": nb(self.secondary)}
         if self.spec.shards_params:
-            out["gathered_params"] = nb(self.flat_param)
+            # (a gather group of one rank computes on the shard itself: nothing gathered beside it)
+            out["gathered_params"] = 0 if self.flat_param is self.shard else nb(self.flat_param)
         if self.offload or self.offload_params:  # ``on_host``: the part of the above in host memory
             out["on_host"] = master + nb(self.host_grad) + (out["params"] if self.offload_params else 0)
         return out

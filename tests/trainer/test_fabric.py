@@ -301,3 +301,18 @@ def test_compressed_communication_under_fabric(world, ref, name, knobs, tol):
     d = max_diff(outs[0]["state"], expected)
     assert 1e-7 < d < tol, d
     assert max_diff(outs[0]["state"], outs[1]["state"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_shard"])
+@pytest.mark.parametrize("model", ["torch_lm", "branchy"])
+def test_world_one_stage3_matches_one_process(worlds, name, model):
+    """One rank, stage 3, default knobs: the shard is the whole buffer, so the module computes on views of it (no
+    gathered copy, nothing counted as gathered), and gradients are copied into buffers never zeroed in advance (a
+    layer some micro-batches skip: its range is zeroed at the reduction). The weights equal plain torch's."""
+    one = worlds(1)
+    expected, _ = fs.reference(model, STEPS, ACC, 1)
+    out = one.run(fs.fabric_fit, name, ACC, STEPS, model=model)[0]
+    assert max_diff(out["state"], expected) < TOL
+    probe = one.run(fs.shard_alias_probe, name, model)[0]
+    assert probe["seen"] and all(probe["seen"]), probe["seen"]
+    assert probe["gathered"] == 0
