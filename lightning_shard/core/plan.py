@@ -5,9 +5,10 @@ them without building an engine: one set of rules, so the planner's bytes are th
 communicates or copies; parameters may live on the meta device (only identities, shapes and dtypes are read).
 
 * stages 0-2: trainable parameters that an optimizer holds, in REVERSE registration order (roughly the order
-  backward produces gradients, as DDP), fill one open bucket per (optimizer, dtype, device); a bucket closes once
-  its bytes reach ``bucket_bytes`` or once ``bucket_bytes`` of the model have been walked since it opened; buckets
-  are ordered by where they complete (:func:`flat_buckets`).
+  backward produces gradients, as DDP), fill one open bucket per (optimizer, dtype, device); a bucket closes before
+  a parameter that would take it past ``bucket_bytes`` (so it never holds more, unless one parameter alone does),
+  once its bytes reach ``bucket_bytes``, or once ``bucket_bytes`` of the model have been walked since it opened;
+  buckets are ordered by where they complete (:func:`flat_buckets`).
 * stage 3: inside each unit, one bucket per (optimizer, or frozen; dtype; device) in first-seen order. The engine
   orders the buckets in reverse unit order (the reduction launch order).
 
@@ -75,12 +76,17 @@ def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
     """Stages 0-2: the buckets in launch order, each ``(optimizer index, parameters)``.
 
     Walking the parameters in reverse registration order (about the order backward produces their gradients), a
-    bucket closes when its own bytes reach ``bucket_bytes`` **or** when ``bucket_bytes`` of parameters (of any
-    optimizer or dtype) have been walked since it opened: so parameters spread thinly over the whole model (a
-    second optimizer's, or another dtype's) are cut into buckets that fill as backward goes, instead of one bucket
-    that is complete only at the end of backward. Buckets are returned in the order they complete in that walk (the
-    position of their last parameter), which is the order they are launched in: a bucket never waits for one that
-    completes later. Inside a bucket the parameters are ordered by param group (:func:`by_group`)."""
+    bucket closes before a parameter that would take its bytes past ``bucket_bytes`` (that parameter opens the next
+    one, alone if it is larger than ``bucket_bytes``), when its own bytes reach ``bucket_bytes``, **or** when
+    ``bucket_bytes`` of parameters (of any optimizer or dtype) have been walked since it opened: so parameters spread
+    thinly over the whole model (a second optimizer's, or another dtype's) are cut into buckets that fill as backward
+    goes, instead of one bucket that is complete only at the end of backward. The cap keeps zero2's per-window
+    gradient buffers (and every bucket's all-to-all pieces) at ``bucket_bytes`` (+ padding): glibc maps an allocation
+    above its mmap threshold (at most 32 MiB) fresh, page by page, every time, and can serve smaller ones from its
+    heap; the default 25 MiB stays below (the overshoot made Hugging Face GPT-2's second bucket 39.4 MiB;
+    docs/speed.md, seventh round). Buckets are returned in the order they complete in that walk (the position of
+    their last parameter), which is the order they are launched in: a bucket never waits for one that completes
+    later. Inside a bucket the parameters are ordered by param group (:func:`by_group`)."""
     params: dict[tuple, list[nn.Parameter]] = {}  # the open buckets
     opened: dict[tuple, int] = {}  # bytes walked when each opened
     last: dict[tuple, int] = {}  # walk position of its last parameter
@@ -90,12 +96,15 @@ def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
     for pos, p in enumerate(reversed(bucketed_trainable(module, owner))):
         dtype = dtype_of(p)
         key = (owner[id(p)][0], dtype, p.device)
+        nbytes = p.numel() * dtype.itemsize
+        if key in params and sizes[key] + nbytes > bucket_bytes:  # p would take it past the cap: it closes first
+            done.append((last[key], key[0], params.pop(key)))
         if key not in params:
             params[key], opened[key], sizes[key] = [], walked, 0
         params[key].append(p)
         last[key] = pos
-        sizes[key] += p.numel() * dtype.itemsize
-        walked += p.numel() * dtype.itemsize
+        sizes[key] += nbytes
+        walked += nbytes
         for k in [k for k in params if sizes[k] >= bucket_bytes or walked - opened[k] >= bucket_bytes]:
             done.append((last[k], k[0], params.pop(k)))
     done += [(last[k], k[0], ps) for k, ps in params.items()]

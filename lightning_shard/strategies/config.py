@@ -54,7 +54,9 @@ class ZeroConfig:
         accumulator and frees the full gradients; ``auto`` picks one at setup and logs why.""",
                              choices=("auto", "defer", "per_micro_batch"))
     bucket_mb: float = knob(25.0, """Gradient bucket size in MiB (zero0-2; no effect at stage 3, where units are the
-        buckets). Larger buckets: fewer collectives; smaller: earlier overlap with backward.""")
+        buckets): a bucket holds at most this much, unless one parameter alone is larger. Larger buckets: fewer
+        collectives; smaller: earlier overlap with backward. On CPU keep it below 32: glibc maps larger per-step
+        buffers (zero2's gradient buckets, the all-to-all pieces) fresh from the kernel every step.""")
     reduce_dtype: Optional[str] = knob(None, """``None`` (fp32 reduction, default) or ``"bf16"``/``"fp16"``/``"fp32"``
         to reduce gradients in that precision.""", choices=(None, "fp32", "bf16", "fp16"))
     param_dtype: Optional[str] = knob(None, """Mixed-precision policy for fp32 models (as FSDP2's

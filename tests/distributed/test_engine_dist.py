@@ -235,9 +235,9 @@ def test_no_gloo_gather_outlives_a_step_while_the_profiler_records(w):
 
 def full_grad_bytes_during_backward(stage: int, micro_batches: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])  # 8 buckets of one layer each
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])  # 8 buckets of one layer (1,088 bytes) each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=0.001)
+    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=1100 / 2**20)
     seen: list[int] = []
 
     def alive(_: torch.Tensor) -> None:  # runs after the engine's own hook for the same parameter

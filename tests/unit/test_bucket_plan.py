@@ -48,8 +48,7 @@ def _check_cut_as_backward_walks(model: nn.Module, owner: dict, buckets: list, b
 
 def test_param_groups_share_a_bucket_each_group_contiguous():
     model = Deep()
-    weight_bytes = 64 * 64 * 4
-    bucket_bytes = 3 * weight_bytes  # ~3 blocks of the model per bucket
+    bucket_bytes = 3 * (64 * 64 + 64) * 4  # 3 blocks (weight + bias) of the model per bucket
     owner, buckets = _plan(model, bucket_bytes)
     _check_cut_as_backward_walks(model, owner, buckets, bucket_bytes)
     assert len(buckets) == 4  # 12 blocks of weight + bias, 3 per bucket: as many buckets as with one group
@@ -88,3 +87,43 @@ def test_gpt2_first_bucket_completes_early():
     walk = {id(p): i for i, p in enumerate(reversed(bucketed_trainable(model, owner)))}
     first_end = max(walk[id(p)] for p in buckets[0][1])
     assert first_end < len(walk) // 2, (first_end, len(walk))  # launched mid-backward, not at its end
+
+
+def _bucket_bytes(ps) -> int:
+    return sum(p.numel() * p.element_size() for p in ps)
+
+
+def test_a_bucket_never_exceeds_the_cap_unless_one_parameter_does():
+    """Until the seventh round of issue 16 a bucket closed only once it reached the cap, so the parameter that took
+    it there could overshoot it by its own size: Hugging Face GPT-2 6 x 384 (vocab 16384) had buckets of 25.4 and
+    39.4 MiB at ``bucket_mb=25``, and zero2 allocated the 39.4 MiB one fresh from the kernel every window (above
+    glibc's 32 MiB mmap threshold). A bucket now closes before a parameter that would take it past the cap."""
+    class EmbedThenBlocks(nn.Module):  # an embedding of nearly the cap registered first: walked (reversed) last
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(250, 64)  # 64,000 bytes
+            self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(5))  # 16,640 bytes each
+            self.huge = nn.Linear(64, 400, bias=False)  # 102,400 bytes: larger than the cap on its own
+
+    model = EmbedThenBlocks()
+    owner = {id(p): (0, 0) for p in model.parameters()}
+    cap = 65_536
+    buckets = flat_buckets(model, owner, cap)
+    sizes = [_bucket_bytes(ps) for _, ps in buckets]
+    # walk (bias before weight): huge alone (over the cap); blocks 4-2 and block 1's bias (the next weight would pass
+    # the cap); block 1's weight and block 0; the embedding alone (it would take that bucket past the cap)
+    assert sizes == [102_400, 3 * 16_640 + 256, 2 * 16_640 - 256, 64_000], sizes
+    for (_, ps), size in zip(buckets, sizes):
+        assert size <= cap or len(ps) == 1, (size, len(ps))
+    assert [p for _, ps in buckets for p in ps] == list(reversed(list(model.parameters())))
+
+
+def test_gpt2_buckets_stay_under_the_cap():
+    transformers = __import__("pytest").importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=6, n_embd=384, n_head=6, vocab_size=16384, n_positions=128,
+                                  bos_token_id=16383, eos_token_id=16383)
+    model = transformers.GPT2LMHeadModel(cfg)
+    owner = {id(p): (0, 0) for p in model.parameters()}
+    sizes = [_bucket_bytes(ps) / 2**20 for _, ps in flat_buckets(model, owner, 25 * 2**20)]
+    assert max(sizes) <= 25, sizes  # 24.8, 16.0, 24.0 MiB (before: 25.4, 39.4)
+    assert abs(sum(sizes) - sum(p.numel() * 4 for p in model.parameters()) / 2**20) < 1e-6
