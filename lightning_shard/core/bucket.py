@@ -483,7 +483,7 @@ class Bucket:
         if self.reduce_q is not None and self._pieces is not None:  # quantized pieces: dequantized, summed in fp32
             Q.sum_pieces(self._pieces, self.reduce_q, out)
         elif self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
-            torch.sum(self._pieces.view(self.world, -1), dim=0, out=out)
+            C.sum_pieces_into(self._pieces.view(self.world, -1), out)
         self._work, self._src, self._out, self._pieces, self._qsend = None, None, None, None, None
         if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]

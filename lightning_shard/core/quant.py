@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .collectives import sum_pieces_into
+
 GATHER_QUANT = ("none", "int8")
 REDUCE_QUANT = ("none", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
@@ -153,9 +155,8 @@ def sum_pieces(buf: torch.Tensor, q: QuantLayout, out: torch.Tensor) -> torch.Te
     ``out`` (``numel``, any float dtype)."""
     vals = dequantize(buf, q, torch.empty(buf.shape[0], q.numel, dtype=torch.float32, device=buf.device))
     if out.dtype == torch.float32:
-        return torch.sum(vals, dim=0, out=out)
-    out.copy_(vals.sum(dim=0))
-    return out
+        return sum_pieces_into(vals, out)
+    return out.copy_(sum_pieces_into(vals, torch.empty(q.numel, dtype=torch.float32, device=buf.device)))
 
 
 __all__ = ["BITS", "DEFAULT_BLOCK", "GATHER_QUANT", "LEVELS", "QuantLayout", "REDUCE_QUANT", "check_block",

@@ -68,14 +68,15 @@ def test_a_block_holding_a_non_finite_value_arrives_as_nan_and_the_others_are_un
         assert torch.equal(back[:, 8:], x[:, 8:])
 
 
-def test_sum_pieces_is_the_fp32_sum_of_the_decoded_pieces_in_any_output_dtype():
+def test_sum_pieces_is_the_fp32_rank_order_sum_of_the_decoded_pieces_in_any_output_dtype():
     q = Q.QuantLayout.of("int8", 64, 300)
-    buf = torch.empty(3, q.piece_bytes, dtype=torch.uint8)
-    sent = Q.quantize(torch.randn(3, 300), q, buf)
+    buf = torch.empty(4, q.piece_bytes, dtype=torch.uint8)
+    sent = Q.quantize(torch.randn(4, 300), q, buf)
+    in_rank_order = ((sent[0] + sent[1]) + sent[2]) + sent[3]
     out = Q.sum_pieces(buf, q, torch.empty(300))
-    assert torch.equal(out, sent.sum(dim=0))
+    assert torch.equal(out, in_rank_order)
     half = Q.sum_pieces(buf, q, torch.empty(300, dtype=torch.bfloat16))
-    assert torch.equal(half, sent.sum(dim=0).to(torch.bfloat16))
+    assert torch.equal(half, in_rank_order.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("args,match", [
