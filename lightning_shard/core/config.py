@@ -17,9 +17,18 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 
 # zero3: a unit holds at least this many MiB of parameters, or joins the unit enclosing it (``min_unit_mb``,
 # core/units.py). A collective has a fixed cost besides its bytes: tens of microseconds on NCCL (nccl-tests'
-# small-message latency), ~0.1-1 ms on gloo over loopback plus a Python hook and a thread hand-off
-# (bench/results/unit_merge.md). Below ~1 MiB that fixed cost is most of a unit's gather on either.
+# small-message latency), ~0.1-1 ms on gloo over loopback plus a Python hook and a thread hand-off (docs/speed.md,
+# "zero3 merges modules smaller than min_unit_mb"). Below ~1 MiB that fixed cost is most of a unit's gather on either.
 MIN_UNIT_MB = 1.0
+
+# Units gathered ahead of use (``prefetch_depth``), per granularity. zero3's units are single modules, a fraction of
+# a transformer block (HF GPT-2 6 x 384: 19 units of 1.7-3.6 MiB besides the root; fsdp_shard's 6 blocks are 6.8 MiB
+# each), so one unit ahead leaves little compute to hide a gather behind; three ahead is about the bytes of
+# fsdp_shard's one block ahead. Measured here (2 CPU ranks, gloo, issue 16's eighth round,
+# bench/results/speed_round8_prefetch_gpt{2,}.md): zero3 with 3 ahead 1.053x / 1.033x FSDP2 (paired medians) against
+# 1.003x / 0.946x with 1, on HF GPT-2 / the recipe GPT, at the same peak (VmHWM within 1 MiB per rank on both,
+# bench/results/peak_round8_prefetch_gpt{2,}.md).
+PREFETCH_DEPTH = {"zero3": 3, "fsdp": 1}
 
 
 @dataclass
@@ -30,9 +39,13 @@ class UnitConfig:
     wrap_classes: Any = None  # fsdp: module classes (or class names) that become units
     min_params: Optional[int] = None  # fsdp: modules with at least this many parameters become units
     reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
-    prefetch_depth: int = 1  # units gathered ahead of use, in forward and backward
+    prefetch_depth: Optional[int] = None  # units gathered ahead of use, fwd and bwd; None: PREFETCH_DEPTH's
     leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
     min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them (core/units.py)
+
+    def __post_init__(self) -> None:
+        if self.prefetch_depth is None:
+            self.prefetch_depth = PREFETCH_DEPTH.get(self.granularity, 1)
 
 
 def parse_reduce_dtype(value: Optional[str]) -> Optional[torch.dtype]:

@@ -35,8 +35,15 @@ CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2S
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies
 # keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
 # which the planner may not import; tests/config/test_knob_list.py checks it)
-CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 1,
+CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 3,
                   "wrap_classes": "auto", "min_params": None, "min_unit_mb": 1.0, "shard_size": None, "topology": None}
+# where a class's default differs from the above (FSDPShardStrategy gathers one block ahead, zero3 three modules)
+CLASS_OVERRIDES = {"FSDPShardStrategy": {"prefetch_depth": 1}}
+
+
+def class_default(strategy: str, key: str) -> Any:
+    """The default of knob ``key`` of the registered strategy ``strategy``'s class (``_MISSING`` if unknown)."""
+    return CLASS_OVERRIDES.get(CLASS_OF.get(strategy, ""), {}).get(key, CLASS_DEFAULTS.get(key, _MISSING))
 _MISSING = object()
 
 
@@ -117,7 +124,7 @@ def strategy_overrides(res: Any, row: Any) -> list[str]:
     special = _yaml(CONF_DIR / "specialize" / f"{option}_{preset}.yaml") if preset else {}
     out = [f"strategy={option}"]
     for k, v in strategy_kwargs(res, row).items():
-        have = shipped.get(k, CLASS_DEFAULTS.get(k, _MISSING))  # the YAML holds only what differs from the defaults
+        have = shipped.get(k, class_default(row.config.strategy, k))  # the YAML holds only what differs
         if have == "${topology.name}":
             have = preset or "cpu"  # conf/train.yaml's default topology
         if k in special or not _same(have, v):
@@ -180,7 +187,7 @@ def job_overrides(res: Any, recipe: Optional[str] = None) -> tuple[list[str], di
 def python_constructor(res: Any, row: Any) -> tuple[str, str]:
     """(import line, ``Class(knob=value, ...)``) with the knobs that differ from the class defaults."""
     cls = CLASS_OF[row.config.strategy]
-    kw = {k: v for k, v in strategy_kwargs(res, row).items() if not _same(CLASS_DEFAULTS.get(k, _MISSING), v)}
+    kw = {k: v for k, v in strategy_kwargs(res, row).items() if not _same(class_default(row.config.strategy, k), v)}
     args = ", ".join(f"{k}={python_value(v)}" for k, v in kw.items())
     return f"from lightning_shard.strategies import {cls}", f"{cls}({args})"
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.config import MIN_UNIT_MB
+from ..core.config import MIN_UNIT_MB, PREFETCH_DEPTH
 from ..core.quant import DEFAULT_BLOCK, check_quant
 
 PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
@@ -50,7 +50,7 @@ class StrategyConfig:
     min_params: Optional[int] = None
     min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them
     bucket_mb: float = 25.0
-    prefetch_depth: int = 1
+    prefetch_depth: Optional[int] = None  # None: the strategy's default (core/config.py PREFETCH_DEPTH)
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
     overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
     offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
@@ -73,6 +73,9 @@ class StrategyConfig:
                              + ", ".join(f"{k} (stage {v})" for k, v in STAGE_OF.items()))
         if self.policy is None:
             object.__setattr__(self, "policy", "keep_unsharded_grads" if self.stage == 3 else "defer")
+        if self.prefetch_depth is None:
+            object.__setattr__(self, "prefetch_depth",
+                               PREFETCH_DEPTH["fsdp" if self.strategy.startswith("fsdp") else "zero3"])
         if self.policy not in POLICIES[self.stage]:
             hint = "; stage 3 calls deferring 'keep_unsharded_grads'" if self.policy == "defer" else ""
             raise ValueError(f"accumulation policy {self.policy!r} does not exist for {self.strategy} (stage "

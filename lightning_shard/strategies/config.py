@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from ..core.activation import validate_spec
-from ..core.config import MIN_UNIT_MB, parse_param_dtype, parse_reduce_dtype
+from ..core.config import MIN_UNIT_MB, PREFETCH_DEPTH, parse_param_dtype, parse_reduce_dtype
 from ..core.quant import check_quant
 from .layout import validate_secondary_shard, validate_shard_size
 
@@ -256,7 +256,9 @@ class Zero3Config(ZeroConfig):
                              choices=("auto", "per_micro_batch", "keep_unsharded_grads", "keep_params"))
     reshard_after_forward: bool = knob(True, """Free a unit's full parameters after its forward (full shard); False
         keeps them until its backward (ZeRO-2-like traffic, more memory).""")
-    prefetch_depth: int = knob(1, "Units all-gathered ahead of use, in forward and in backward (0 disables).")
+    prefetch_depth: int = knob(PREFETCH_DEPTH["zero3"], """Units all-gathered ahead of use, in forward and in backward
+        (0 disables). zero3: 3 (its units are single modules, a fraction of a block: three ahead is about the bytes of
+        fsdp_shard's one block ahead); fsdp_shard: 1. Each one ahead holds one more unit's full parameters.""")
     offload_params: bool = knob(False, """ZeRO-Offload of the parameters too (with ``offload_optimizer=True``): each
         unit's persistent shard lives in host memory (pinned on CUDA) and is copied to the device just before its
         all-gather, so the accelerator holds only the gathered units (and gradients in flight).""")
@@ -322,6 +324,8 @@ class FSDPConfig(Zero3Config):
 
     wrap_classes: Any = _wrap_classes()
     min_params: Optional[int] = _min_params()
+    prefetch_depth: int = knob(PREFETCH_DEPTH["fsdp"], """Units (blocks) all-gathered ahead of use, in forward and in
+        backward (0 disables); each one ahead holds one more block's full parameters.""")
 
     def validate(self, owner: Optional[str] = None) -> "FSDPConfig":
         if self.wrap_classes is None and self.min_params is None:

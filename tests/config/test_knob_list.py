@@ -129,15 +129,19 @@ def test_strategy_yaml_holds_only_what_differs_from_the_defaults(path):
 
 
 def test_planner_mirrors_agree_with_the_configs():
-    from lightning_shard.planner.advice import CLASS_DEFAULTS
+    from lightning_shard.planner.advice import CLASS_DEFAULTS, class_default
     from lightning_shard.planner.config import POLICIES
 
     for stage, policies in POLICIES.items():
         config = Zero3Config if stage == 3 else ZeroConfig
         assert set(policies) == set(config.choices("accumulation", stage)) - {"auto"}, stage
-    defaults = {**FSDPConfig.defaults()}
+    defaults = {**FSDPConfig.defaults(), **Zero3Config.defaults()}
     for key, value in CLASS_DEFAULTS.items():
         assert defaults[key] == value, key
+    for name, config in (("zero3", Zero3Config), ("fsdp_shard", FSDPConfig), ("zero2", ZeroConfig)):
+        for key, value in config.defaults().items():
+            if key in CLASS_DEFAULTS:
+                assert class_default(name, key) == value, (name, key)
 
 
 @pytest.mark.parametrize("config,target", [
