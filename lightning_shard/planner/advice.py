@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
+from ..core.config import PREFETCH_DEPTH
 from ..topology import list_presets
 from ..topology.presets import read_preset
 from .models import SIZES
@@ -35,16 +36,17 @@ CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2S
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies
 # keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
 # which the planner may not import; tests/config/test_knob_list.py checks it)
-CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True, "prefetch_depth": 3,
-                  "wrap_classes": "auto", "min_params": None, "min_unit_mb": 1.0, "shard_size": None, "topology": None}
+CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True,
+                  "prefetch_depth": PREFETCH_DEPTH["zero3"], "wrap_classes": "auto", "min_params": None,
+                  "min_unit_mb": 1.0, "shard_size": None, "topology": None}
 # where a class's default differs from the above (FSDPShardStrategy gathers one block ahead, zero3 three modules)
-CLASS_OVERRIDES = {"FSDPShardStrategy": {"prefetch_depth": 1}}
+CLASS_OVERRIDES = {"FSDPShardStrategy": {"prefetch_depth": PREFETCH_DEPTH["fsdp"]}}
+_MISSING = object()
 
 
 def class_default(strategy: str, key: str) -> Any:
     """The default of knob ``key`` of the registered strategy ``strategy``'s class (``_MISSING`` if unknown)."""
     return CLASS_OVERRIDES.get(CLASS_OF.get(strategy, ""), {}).get(key, CLASS_DEFAULTS.get(key, _MISSING))
-_MISSING = object()
 
 
 @dataclass

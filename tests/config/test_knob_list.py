@@ -144,7 +144,6 @@ def test_planner_mirrors_agree_with_the_configs():
                 assert class_default(name, key) == value, (name, key)
 
 
-
 def test_prefetch_depth_defaults_agree_from_knob_to_engine_and_planner():
     """zero3 gathers 3 units ahead, fsdp_shard 1 (core/config.py PREFETCH_DEPTH): the strategies' knobs, the engine's
     UnitConfig when none is given, and the planner's rows say the same."""
@@ -159,6 +158,7 @@ def test_prefetch_depth_defaults_agree_from_knob_to_engine_and_planner():
     assert UnitConfig("zero3", prefetch_depth=0).prefetch_depth == 0
     assert StrategyConfig("zero3", 3).prefetch_depth == 3 and StrategyConfig("fsdp_shard", 3).prefetch_depth == 1
     assert StrategyConfig("zero3", 3).kwargs()["prefetch_depth"] == 3
+
 
 @pytest.mark.parametrize("config,target", [
     (ZeroConfig, "lightning_shard.strategies.Zero2Strategy"), (Zero3Config, "lightning_shard.strategies.Zero3Strategy"),
