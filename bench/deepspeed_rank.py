@@ -139,6 +139,9 @@ def run_deepspeed(args: argparse.Namespace) -> None:
         raise RuntimeError(f"{len(failed)} DeepSpeed rank process(es) failed")
 
 
+PHASES = ("forward", "backward_and_grad_sync", "optimizer_and_param_sync", "between_steps")
+
+
 def _lap(m: Meter, name: str, timed: bool, mark: tuple[float, float]) -> tuple[float, float]:
     """Add the wall time since ``mark`` and its off-CPU part (wall - main-thread CPU, as ``measure.py``) to phase
     ``name`` of a timed step; the new mark."""
@@ -153,18 +156,20 @@ def train(args: argparse.Namespace, engine: Any, data: Any) -> Meter:
     """Warmup + timed steps; memory, times and losses as ``measure.make_callback``'s Meter takes them."""
     first, last = args.warmup, args.warmup + args.steps - 1
     m = Meter(step_times=[], losses=[], t_span0=0.0, t_span1=0.0, engine_s_per_step={},
-              phase={"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0},
-              off_cpu={"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0},
+              phase=dict.fromkeys(PHASES, 0.0), off_cpu=dict.fromkeys(PHASES, 0.0),
               wire=wire_formula(args, args.variant, engine.world_size))
     # train start: engine set up (parameters placed and partitioned, AdamW state allocated), no step yet
     m.baseline_rss, m.setup_peak_rss = rss_bytes(), peak_rss_bytes()
     m.hwm_reset = reset_peak_rss()
+    end = (0.0, 0.0)
     for step, (x, y) in enumerate(data):
         if step > last:
             break
         timed = first <= step <= last
         t0 = time.perf_counter()
         mark = (t0, time.thread_time())
+        if first < step <= last:  # since the last timed step ended (as measure.py's Meter)
+            _lap(m, "between_steps", True, end)
         if step == first:
             m.t_span0, m.faults0 = t0, minor_faults()
         loss = engine((x, y), step)
@@ -179,7 +184,8 @@ def train(args: argparse.Namespace, engine: Any, data: Any) -> Meter:
             m.t_span0 += dt
         mark = (time.perf_counter(), time.thread_time())
         engine.step()
-        now = _lap(m, "optimizer_and_param_sync", timed, mark)[0]
+        end = _lap(m, "optimizer_and_param_sync", timed, mark)
+        now = end[0]
         m.losses.append(float(loss.detach()))
         if timed:
             m.step_times.append(now - t0)

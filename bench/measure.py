@@ -191,7 +191,11 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
     class Meter(pl.Callback):
         def __init__(self) -> None:
             self.step_times: list[float] = []
-            self.phase = {"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0}
+            # ``between_steps``: from a timed step's batch end to the next one's batch start (the loop, the next
+            # batch, and whatever the last step left running, e.g. zero1/2's post-step all-gather): with it the
+            # phases per step add up to the span over the timed steps, i.e. to 1 / throughput
+            self.phase = {"forward": 0.0, "backward_and_grad_sync": 0.0, "optimizer_and_param_sync": 0.0,
+                          "between_steps": 0.0}
             self.off_cpu = dict.fromkeys(self.phase, 0.0)  # wall - main-thread CPU time: blocked (waits) or preempted
             self.labels: dict[str, float] = {}
             self.losses: list[float] = []
@@ -210,6 +214,8 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.step, self.n_batches = self.n_batches, self.n_batches + 1
+            if first < self.step <= last:  # the time since the last timed step ended
+                self._lap("between_steps", count=True)
             if self.step == first:
                 self.faults0 = minor_faults()
                 self.ledger_mark = LEDGER.mark()
@@ -221,9 +227,9 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
             self.t0 = self.t_mark = time.perf_counter()
             self.cpu_mark = time.thread_time()
 
-        def _lap(self, name: str) -> None:
+        def _lap(self, name: str, count: bool = False) -> None:
             now, cpu = time.perf_counter(), time.thread_time()
-            if first <= self.step <= last:
+            if count or first <= self.step <= last:
                 self.phase[name] += now - self.t_mark
                 self.off_cpu[name] += (now - self.t_mark) - (cpu - self.cpu_mark)
             self.t_mark, self.cpu_mark = now, cpu

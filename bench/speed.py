@@ -16,7 +16,8 @@ default knobs, the DDP baseline without the counting comm hook (nothing patched 
   about the same count, against the number of parameter tensors (24 x 256: 4x the tensors of 6 x 512).
 
 Per variant, rank 0, seconds per step: the wall time of forward / backward (incl. gradient sync) / optimizer (incl.
-parameter sync) over the timed steps, and of each the part the main thread was off the CPU (wall - its CPU time:
+parameter sync) / between steps (a step's batch end to the next one's start) over the timed steps, and of each the
+part the main thread was off the CPU (wall - its CPU time:
 blocked in a collective's wait, or preempted), measured the same way for every variant; then the profiler labels
 of a window of extra steps after the timed ones: ours (``lightning_shard.*``: engine phases, each collective's launch
 and wait), FSDP2's ``FSDP::*``, DDP's forward, the optimizer step.
@@ -192,15 +193,16 @@ def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = No
 
 
 def phase_rows(s: dict[str, Any]) -> list[str]:
-    lines = ["| variant | forward | (off-CPU) | backward+sync | (off-CPU) | optimizer+sync | (off-CPU) | step | "
-             "CPU: main thread | CPU: other threads | CPU: all ranks | page faults / step | profiled labels (s/step) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| variant | forward | (off-CPU) | backward+sync | (off-CPU) | optimizer+sync | (off-CPU) | "
+             "between steps | (off-CPU) | step | CPU: main thread | CPU: other threads | CPU: all ranks | "
+             "page faults / step | profiled labels (s/step) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for v, r in s["results"].items():
         if "error" in r:
             continue
         p, off = r["phase_s_per_step_rank0"], r.get("off_cpu_s_per_step_rank0") or {}
         cells = []
-        for k in ("forward", "backward_and_grad_sync", "optimizer_and_param_sync"):
+        for k in ("forward", "backward_and_grad_sync", "optimizer_and_param_sync", "between_steps"):
             cells += [_f(p.get(k)), _f(off.get(k))]
         lab = r.get("labels_s_per_step_rank0") or {}
         named = [(k, lab.get(f"lightning_shard.{k}")) for k in OUR_LABELS] + [(k, lab.get(k)) for k in FSDP_LABELS]
@@ -236,9 +238,11 @@ def markdown_speed(doc: dict[str, Any]) -> str:
         lines += [f"## {s['title']}: {s['params'] / 1e6:.2f}M parameters in {s['tensors']} tensors, world "
                   f"{s['world']}, micro-batch {mm['batch_size']} x {mm['block_size']} per rank", ""]
         lines += speed_rows(s, doc["table"], world1 if s is not world1 else None)
-        lines += ["", "Where the step goes (rank 0, s per step; off-CPU = wall - main-thread CPU: waits and "
-                  "preemption; CPU over the timed steps: rank 0's main thread, its other threads (gloo's, the "
-                  "profiler's, the data loader's), and every thread of every rank together, which on a machine "
-                  "with one core per rank bounds the step from below):", ""]
+        lines += ["", "Where the step goes (rank 0, s per step; between steps: from a step's batch end to the "
+                  "next one's batch start, the loop, the next batch and what the step left running (zero1/2's "
+                  "post-step all-gather), so that the phases add up to 1 / throughput; off-CPU = wall - main-thread "
+                  "CPU: waits and preemption; CPU over the timed steps: rank 0's main thread, its other threads "
+                  "(gloo's, the profiler's, the data loader's), and every thread of every rank together, which on a "
+                  "machine with one core per rank bounds the step from below):", ""]
         lines += phase_rows(s) + [""]
     return "\n".join(lines) + "\n"
