@@ -63,7 +63,8 @@ class Bucket:
         self.param_groups = list(param_groups) if param_groups is not None else [0] * len(params)
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
         self.replicate_group = replicate_group  # hybrid: the same shard on the other islands
-        self.gather_group = group if gather_group is None else gather_group  # stage 3 parameter all-gathers
+        # the parameter all-gathers: stage 3's, and the post-step all-gather of stages 1/2
+        self.gather_group = group if gather_group is None else gather_group
         self._solo_gather = C.get_world_size(self.gather_group) == 1
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
         # how the gradient reduce-scatter runs (core/collectives.py ``reduce_scatter_path``): the backend's own,
@@ -203,6 +204,9 @@ class Bucket:
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
         self._pieces: Optional[torch.Tensor] = None  # the all-to-all form: every rank's piece of this rank's range
+        # the all-to-all form on two ranks (``C.exchange_pair``): (where the other rank's piece arrives, this rank's
+        # own piece of its range)
+        self._pair: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._work: Any = None
 
     # ------------------------------------------------------------------ sizes
@@ -444,7 +448,16 @@ class Bucket:
                     self._out = self.grad_buf[self.shard_start:self.shard_end]
                 else:
                     self._out = self._step_buffer(self.layout.shard_numel, reduce_dtype)
-                if self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
+                if self.rs_path == "all_to_all" and self.world == 2:
+                    # a pair: the other rank's piece of this rank's range arrives, and this rank's own piece (still
+                    # in ``src``) is added to it on arrival; no full-size pieces buffer, no local copy
+                    own = src[self.shard_start:self.shard_end]
+                    recv = self._out
+                    if recv.data_ptr() == own.data_ptr():  # stage 1 in place: the own piece must not be overwritten
+                        recv = self._step_buffer(own.numel(), src.dtype)
+                    self._pair = (recv, own)
+                    self._work = C.exchange_pair(recv, src, group=self.group, async_op=async_op, tag=tag)
+                elif self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
                     self._pieces = self._step_buffer(src.numel(), src.dtype)
                     self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
                 else:
@@ -484,7 +497,11 @@ class Bucket:
             Q.sum_pieces(self._pieces, self.reduce_q, out)
         elif self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
             C.sum_pieces_into(self._pieces.view(self.world, -1), out)
+        elif self._pair is not None:  # two pieces: a + b is b + a bit for bit, so this is the rank-order sum too
+            recv, own = self._pair
+            out.add_(own if recv is out else recv)
         self._work, self._src, self._out, self._pieces, self._qsend = None, None, None, None, None
+        self._pair = None
         if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]
         else:
@@ -556,8 +573,8 @@ class Bucket:
             return None
         with label("param_gather_launch"):
             self._param_work = C.all_gather(self.flat_param, self.flat_param[self.shard_start:self.shard_end],
-                                            group=self.group, async_op=async_op, tag=f"param_bucket{self.index}",
-                                            via=self.ag_path)
+                                            group=self.gather_group, async_op=async_op,
+                                            tag=f"param_bucket{self.index}", via=self.ag_path)
         return self._param_work
 
     # ------------------------------------------------------------------ optimizer state per parameter

@@ -213,7 +213,8 @@ def reduce_scatter_path(choice: str, group: Group = None) -> str:
       all-reduce of the bucket (but 0.95x at 256 KiB on 2 ranks), at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch
       2.13 (``bench/bench_collectives.py``, ``bench/results/collectives.md``), and moves the reduce-scatter's
       (N-1)/N of the bucket per rank; it costs a second full-size buffer (the pieces) while the reduction is in
-      flight;
+      flight, except on a group of 2 ranks, where the other rank's piece arrives straight into the shard and this
+      rank's own piece is added to it (:func:`exchange_pair`);
     * ``"all_reduce"``: an in-place all-reduce of the bucket, each rank keeping its range (twice the bytes; the
       default on gloo before the all-to-all form was measured).
 
@@ -403,6 +404,26 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group = None, a
     """Rank j receives every rank's j-th 1/N of ``input``, in rank order, into ``output`` (same size)."""
     LEDGER.record("all_to_all", group, input, tag)
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def exchange_pair(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False,
+                  tag: str = ""):
+    """The all-to-all of :func:`all_to_all` on a group of **two** ranks, without this rank's own piece: ``input`` is
+    the full buffer (2 x n elements); the other rank's half of it is sent, and the other rank's piece of this rank's
+    half is received into ``output`` (n elements, which must not overlap ``input``). One ``all_to_all_single`` with
+    split sizes (0 to and from this rank), so no full-size output is allocated and no piece is copied onto itself;
+    the ledger records the all-to-all of ``input``, whose bytes it moves ((N-1)/N of the buffer)."""
+    if get_world_size(group) != 2:
+        raise ValueError(f"exchange_pair needs a group of 2 ranks, got {get_world_size(group)}")
+    n = output.numel()
+    if input.numel() != 2 * n:
+        raise ValueError(f"exchange_pair: input has {input.numel()} elements, 2 x output's {n} expected")
+    other = 1 - get_rank(group)
+    LEDGER.record("all_to_all", group, input, tag)
+    splits = [0, 0]
+    splits[other] = n
+    return dist.all_to_all_single(output, input[other * n:(other + 1) * n], splits, splits, group=group,
+                                  async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False, tag: str = "",

@@ -122,7 +122,18 @@ class ShardEngine:
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
         self.plan_summary = ""
+        # parameter gathers get a process group of their own (plain sharding: a copy of the world group; hybrid
+        # layouts pass a copy of each shard group). Stage 3: ranks that run different modules issue them at different
+        # times relative to the gradient reductions. Stages 1/2: the post-step all-gather runs in the background
+        # until the next forward needs it, and a collective issued on the same group in between (Lightning
+        # broadcasts a SIGTERM flag from rank 0 before every batch, on the world group) would otherwise wait for the
+        # whole gather, leaving nothing for the forward to overlap
         self.gather_group = group
+        if (self.spec.shards_params or self.spec.gathers_after_step) and gather_group is None and group is None \
+                and C.get_world_size() > 1:
+            gather_group = C.duplicate_group(None, "gather")
+        if gather_group is not None:
+            self.gather_group = gather_group
         if self.spec.shards_params:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
@@ -130,12 +141,6 @@ class ShardEngine:
                                leaf_modules=cfg.leaf_modules, min_unit_bytes=cfg.min_unit_mb * 2**20)
             self.plan_summary = describe_plan(specs, cfg.granularity)
             health.agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
-            # parameter gathers get a process group of their own: ranks that run different modules issue them
-            # at different times relative to the gradient reductions (plain sharding: a copy of the world
-            # group; hybrid layouts pass a copy of each shard group)
-            if gather_group is None and group is None and C.get_world_size() > 1:
-                gather_group = C.duplicate_group(None, "gather")
-            self.gather_group = gather_group if gather_group is not None else group
             self.buckets, self.units = build_units(specs, owner, deferred, self._bucket)
         else:
             self.buckets = build_flat(module, owner, self.bucket_bytes, self._bucket)

@@ -57,7 +57,7 @@ class StrategyConfig:
     offload_params: bool = False  # stage 3, with offload_optimizer: the parameter shards in host memory too
     # how zero1-3 reduce-scatter gradients: "reduce_scatter" (what ``reduce_scatter_via="auto"`` is on NCCL, the
     # accelerators planned for), "all_to_all" (what it is on gloo: the reduce-scatter's bytes, a second full-size
-    # buffer in flight) or "all_reduce" (the bucket all-reduced, twice the bytes)
+    # buffer in flight but on 2 ranks) or "all_reduce" (the bucket all-reduced, twice the bytes)
     reduce_scatter_via: str = "reduce_scatter"
     # compressed communication (core/quant.py): block-quantized stage-3 parameter gathers / gradient reductions (an
     # all-to-all of quantized pieces, with an fp32 error-feedback residual per trainable element)

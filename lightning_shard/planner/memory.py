@@ -22,7 +22,8 @@ them):
   at its first gradient and frees it once its reduce-scatter is done, so a communicating backward holds at most
   ``IN_FLIGHT + 1`` buckets, while an accumulating ``defer`` window holds them all; stage 3 keeps every unit's until
   ``post_backward``), fp32 copies of half gradients and reduce-scatter outputs in flight (with the all-to-all form
-  of the reduce-scatter, gloo's default, the pieces too: a full-size buffer per reduction in flight), gathered
+  of the reduce-scatter, gloo's default, the pieces too: a full-size buffer per reduction in flight, none on 2 ranks
+  but stage 1's one piece), gathered
   stage-3 units (root and units enclosing others + the largest unit x (1 + prefetch depth), or every unit when
   parameters are kept);
 * the optimizer step: the gradients it reads (and stages 0/1's full buffers), the accumulators, and the update's
@@ -180,8 +181,12 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
             # and the received pieces dequantized to fp32, besides the fp32 output shard
             pieces = b.num_shards * piece_bytes(cfg.reduce_quant, cfg.quant_block, b.shard_numel)
             extra = 2 * pieces + b.padded_numel * 4 + b.shard_numel * 4
-        elif layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":  # every rank's pieces of this rank's range
-            extra += b.padded_numel * _SIZE[rd]
+        elif layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":
+            if b.num_shards == 2:  # the other rank's piece arrives in the shard itself (core/collectives.py
+                # ``exchange_pair``); stage 1 reduces in place into its own range, whose piece must wait for it
+                extra += b.shard_numel * _SIZE[rd] if layout.stage == 1 and rd == b.dtype else 0
+            else:  # every rank's pieces of this rank's range
+                extra += b.padded_numel * _SIZE[rd]
         in_flight += extra
         per_bucket.append(b.padded_numel * b.itemsize + extra)
     gathered = gathered_bytes(layout, cfg)

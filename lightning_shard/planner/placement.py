@@ -56,7 +56,7 @@ class JobPlacement:
             repl = [self.ring(range(k, n, s)) for k in range(s)]
             out["shard"] = min(shard, key=lambda r: r.gbps)
             out["replicate"] = min(repl, key=lambda r: r.gbps)
-        out["gather"] = out.get("shard", out["world"])  # stage 3's parameter gathers: a copy of the shard group
+        out["gather"] = out.get("shard", out["world"])  # parameter gathers (stage 3, zero1/2 after the step)
         if island:
             out["island"] = min((self.ring(range(k, k + island)) for k in range(0, n, island)), key=lambda r: r.gbps)
         return out

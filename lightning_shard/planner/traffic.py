@@ -125,8 +125,8 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
         if job.clip and layout.stage > 0 and S > 1:
             out.append(Collective("all_reduce", gname, S, 4, "grad_norm", "step", last))
         if layout.stage in (1, 2) and S > 1:  # a shard group of one rank has nothing to gather
-            for b in mine:
-                out.append(Collective("all_gather", gname, S, b.padded_numel * b.itemsize, "param", "step", last))
+            for b in mine:  # on the copy of the shard group, as stage 3's gathers (core/engine.py: gather_group)
+                out.append(Collective("all_gather", "gather", S, b.padded_numel * b.itemsize, "param", "step", last))
         if job.broadcast_buffers and N > 1:
             for nbytes in buffers:
                 out.append(Collective("broadcast", "world", N, nbytes, "buffers", "step", last))

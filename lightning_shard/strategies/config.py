@@ -76,7 +76,8 @@ class ZeroConfig:
     reduce_scatter_via: str = knob("auto", """How zero1-3 reduce-scatter a gradient bucket: ``"reduce_scatter"`` (the
         backend's own collective: (N-1)/N of the bucket's bytes per rank), ``"all_to_all"`` (an all-to-all of the
         bucket, rank j receiving every rank's j-th 1/N, and a sum of the N pieces: the same bytes, plus a second
-        full-size buffer while in flight), ``"all_reduce"`` (an in-place all-reduce of the bucket, of which each rank
+        full-size buffer while in flight; on 2 ranks the other rank's piece arrives straight into the shard, with no
+        such buffer), ``"all_reduce"`` (an in-place all-reduce of the bucket, of which each rank
         keeps its range: the same sums, twice the bytes), ``"auto"``: ``all_to_all`` on gloo, where it beats gloo's
         reduce-scatter 1.7-7x and, but for one size, the all-reduce 1.3-10x at 64 KiB-25 MiB on 2 and 4 ranks
         (bench/results/collectives.md), ``reduce_scatter`` on every other backend (NCCL). The ledger records the

@@ -25,7 +25,7 @@ class Groups:
     shard: C.Group = None  # None: the world group
     replicate: C.Group = None  # None: no replication (plain sharding)
     axes: Optional[dict[str, int]] = None
-    gather: C.Group = None  # stage 3: a copy of the shard group for parameter all-gathers (None: the engine makes one)
+    gather: C.Group = None  # stages 1-3: a copy of the shard group for parameter all-gathers (None: the engine's own)
     island: C.Group = None  # stage 3 ``secondary_shard`` (hpZ): this rank's island, for the gathers after the first
 
 
@@ -90,10 +90,10 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
                 rank: int, stage: int = 2, timeout: Optional[timedelta] = None,
                 secondary: Union[None, int, str] = None) -> Groups:
     """Create (collectively: every rank calls this) the shard and replicate groups this rank belongs to; at
-    stage 3 also a copy of each shard group for parameter all-gathers, and with ``secondary`` (``secondary_shard``)
-    the island groups. ``timeout``: their collective timeout."""
+    stages 1-3 also a copy of each shard group for parameter all-gathers, and with ``secondary``
+    (``secondary_shard``) the island groups. ``timeout``: their collective timeout."""
     if shard_size is None:
-        mine = Groups(gather=C.duplicate_group(None, "gather", timeout) if stage == 3 and world > 1 else None)
+        mine = Groups(gather=C.duplicate_group(None, "gather", timeout) if stage >= 1 and world > 1 else None)
         if secondary is not None and stage == 3:
             for ranks in island_groups(secondary, topology, world, num_nodes):
                 g = C.new_group(list(ranks), "island", timeout)
@@ -116,7 +116,7 @@ def make_groups(shard_size: Union[None, int, str], topology: Optional[Topology],
     mine = Groups(axes={"replicate": len(shard_groups), "shard": len(shard_groups[0])})
     for ranks in shard_groups:  # every rank creates every group, in the same order
         g = C.new_group(list(ranks), "shard", timeout)
-        gather = C.duplicate_group(list(ranks), "gather", timeout) if stage == 3 else None
+        gather = C.duplicate_group(list(ranks), "gather", timeout) if stage >= 1 else None
         if rank in ranks:
             mine.shard, mine.gather = g, gather
     for ranks in replicate_groups:
