@@ -415,8 +415,8 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
         stray = [v for v in args.variants if v not in runnable]
         if stray:
             p.error(f"variant(s) {stray} are not in suite {args.suite}; use --suite all or the suite that has them")
-    if (args.out_json or args.out_md) and len(args.suites) > 1:
-        p.error("--out-json/--out-md name one table's files; with --suite all use --out-dir")
+    if (args.out_json or args.out_md) and (len(args.suites) > 1 or len(args.tables) > 1):
+        p.error("--out-json/--out-md name one table's files; with --suite all or several --tables use --out-dir")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if args.repeats < 1:
