@@ -109,9 +109,9 @@ def run_speed(args: argparse.Namespace, run_suite: Any, env: dict[str, str], mac
                "command": " ".join([Path(sys.executable).name] + sys.argv), "row_sets": sets}
         stem = "speed" if table == "main" else f"speed_{table}"
         out_json, out_md = Path(args.out_dir) / f"{stem}.json", Path(args.out_dir) / f"{stem}.md"
-        if len(args.tables) == 1:  # ``--out-json`` / ``--out-md`` name the one table's files (more: refused)
-            out_json = Path(args.out_json) if args.out_json else out_json
-            out_md = Path(args.out_md) if args.out_md else out_md
+        # ``--out-json`` / ``--out-md`` name the table's files (with several tables the driver refuses them)
+        out_json = Path(args.out_json) if args.out_json else out_json
+        out_md = Path(args.out_md) if args.out_md else out_md
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(doc, indent=1))
         md = markdown_speed(doc)

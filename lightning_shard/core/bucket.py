@@ -204,9 +204,9 @@ class Bucket:
         self._src: Optional[torch.Tensor] = None
         self._out: Optional[torch.Tensor] = None
         self._pieces: Optional[torch.Tensor] = None  # the all-to-all form: every rank's piece of this rank's range
-        # the all-to-all form on two ranks (``C.exchange_pair``): (where the other rank's piece arrives, this rank's
-        # own piece of its range)
-        self._pair: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # the all-to-all form on two ranks (``C.exchange_pair``): where the other rank's piece of this rank's range
+        # arrives (this rank's own piece stays in ``_src``)
+        self._recv: Optional[torch.Tensor] = None
         self._work: Any = None
 
     # ------------------------------------------------------------------ sizes
@@ -451,12 +451,11 @@ class Bucket:
                 if self.rs_path == "all_to_all" and self.world == 2:
                     # a pair: the other rank's piece of this rank's range arrives, and this rank's own piece (still
                     # in ``src``) is added to it on arrival; no full-size pieces buffer, no local copy
-                    own = src[self.shard_start:self.shard_end]
-                    recv = self._out
-                    if recv.data_ptr() == own.data_ptr():  # stage 1 in place: the own piece must not be overwritten
-                        recv = self._step_buffer(own.numel(), src.dtype)
-                    self._pair = (recv, own)
-                    self._work = C.exchange_pair(recv, src, group=self.group, async_op=async_op, tag=tag)
+                    self._recv = self._out
+                    if self._out.data_ptr() == src[self.shard_start:].data_ptr():
+                        # stage 1 in place: its own piece must not be overwritten before it is added
+                        self._recv = self._step_buffer(self._out.numel(), src.dtype)
+                    self._work = C.exchange_pair(self._recv, src, group=self.group, async_op=async_op, tag=tag)
                 elif self.rs_path == "all_to_all":  # every rank's piece of this rank's range, summed on arrival
                     self._pieces = self._step_buffer(src.numel(), src.dtype)
                     self._work = C.all_to_all(self._pieces, src, group=self.group, async_op=async_op, tag=tag)
@@ -497,11 +496,10 @@ class Bucket:
             Q.sum_pieces(self._pieces, self.reduce_q, out)
         elif self._pieces is not None:  # in rank order, the same on every rank: a deterministic sum
             C.sum_pieces_into(self._pieces.view(self.world, -1), out)
-        elif self._pair is not None:  # two pieces: a + b is b + a bit for bit, so this is the rank-order sum too
-            recv, own = self._pair
-            out.add_(own if recv is out else recv)
+        elif self._recv is not None:  # two pieces: a + b is b + a bit for bit, so this is the rank-order sum too
+            out.add_(self._src[self.shard_start:self.shard_end] if self._recv is out else self._recv)
         self._work, self._src, self._out, self._pieces, self._qsend = None, None, None, None, None
-        self._pair = None
+        self._recv = None
         if not self.spec.reduce_scatters:
             mine = out[self.own_lo:self.own_hi]
         else:

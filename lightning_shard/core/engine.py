@@ -128,12 +128,10 @@ class ShardEngine:
         # until the next forward needs it, and a collective issued on the same group in between (Lightning
         # broadcasts a SIGTERM flag from rank 0 before every batch, on the world group) would otherwise wait for the
         # whole gather, leaving nothing for the forward to overlap
-        self.gather_group = group
         if (self.spec.shards_params or self.spec.gathers_after_step) and gather_group is None and group is None \
                 and C.get_world_size() > 1:
             gather_group = C.duplicate_group(None, "gather")
-        if gather_group is not None:
-            self.gather_group = gather_group
+        self.gather_group = gather_group if gather_group is not None else group
         if self.spec.shards_params:
             cfg = units or UnitConfig()
             specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,

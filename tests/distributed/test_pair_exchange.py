@@ -49,8 +49,8 @@ def reduced(stage: int, dtype: torch.dtype, numel: int) -> dict[str, torch.Tenso
     p.grad = grad.clone()
     b.attach_grads()
     b.launch_reduce(dtype, async_op=True)
-    assert b._pieces is None and b._pair is not None  # the pair form ran, no full-size pieces buffer
-    in_place = b._pair[1].data_ptr() == b._out.data_ptr()
+    assert b._pieces is None and b._recv is not None  # the pair form ran, no full-size pieces buffer
+    in_place = b._out.data_ptr() == b.grad_buf[b.shard_start:].data_ptr()
     b.finish_reduce(boundary=True, accumulate=False)
     got = b.shard_param.grad.clone()
     b.set_state(GradState.EMPTY)
