@@ -67,8 +67,11 @@ class Recorder(L.Callback):
         self.record_events = False
         self._mark = 0
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         self._mark = C.LEDGER.mark()
+        controller = trainer.strategy.engine.controller
+        if controller is not None and self.record_events:
+            controller.events.append(("batch", batch_idx))  # where each micro-batch's events start
 
     def on_train_batch_end(self, *args: Any) -> None:
         entries = C.LEDGER.since(self._mark)

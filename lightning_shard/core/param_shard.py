@@ -11,9 +11,10 @@ trainable unit on), and a unit that did not run here contributes zeros to its re
 a process group of their own, so that their order and that of the gradient reductions cannot interleave
 differently on different ranks.
 
-Forward: a unit's pre-forward hook gathers it (prefetching the next ``prefetch_depth`` scheduled units), its
-post-forward hook frees it (``reshard_after_forward``) and hooks its outputs so that backward gathers it again
-(prefetching the units before it). In backward a unit is freed once all of its trainable gradients are in
+Forward: a unit's pre-forward hook gathers it and keeps the next ``prefetch_depth`` scheduled units issued (the
+step's start issues the first ones), its post-forward hook frees it (``reshard_after_forward``) and hooks its outputs
+so that backward gathers it again (with the units before it issued ahead the same way; the backward's start issues
+the first ones). In backward a unit is freed once all of its trainable gradients are in
 **and** the gradients of its inputs are computed: frozen weights (LoRA's base) are needed for the latter.
 
 Parameters used outside their unit's forward are found in the first step (:mod:`.guard`) and their unit is
@@ -215,6 +216,9 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             p.guard.__enter__()
         self._pass = p
         with self._quiet():
+            for u in self.step_units:
+                self._issue(u, "gather")
+            self._prefetch_forward(-1)  # the first units, behind the root's gather and the code before them
             for u in self.step_units:
                 self._materialize(u)
 

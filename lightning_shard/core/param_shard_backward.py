@@ -18,17 +18,26 @@ class BackwardSchedule:
         for u in self.step_units:
             if u.state is ParamState.UNSHARDED:
                 self._prepare_backward(u)
+        # the first units of the schedule are gathered behind the backward of what runs before them (the loss, an
+        # LM head in the root unit), as every later unit is behind the one before it
+        with self._quiet():
+            for k in range(min(len(self.bwd_order), self.prefetch_depth)):
+                self._catch_up_backward(self.units[self.bwd_order[k]])
+                self._bcur = k + 1
 
     def _advance_backward_to(self, unit: Unit) -> None:
         """Issue the backward schedule up to ``unit`` (and the prefetch after it), in schedule order."""
         q = self._bpos.get(unit.index)
-        if q is None or q < self._bcur:
+        if q is None:
             return
-        for k in range(self._bcur, q):
-            self._catch_up_backward(self.units[self.bwd_order[k]])
-        self._issue(unit, "gather")
-        self._bcur = q + 1
-        for k in range(self._bcur, min(len(self.bwd_order), self._bcur + self.prefetch_depth)):
+        if q >= self._bcur:
+            for k in range(self._bcur, q):
+                self._catch_up_backward(self.units[self.bwd_order[k]])
+            self._issue(unit, "gather")
+            self._bcur = q + 1
+        # a prefetched unit moves the window too: each unit after the first is gathered behind the backward of
+        # the ones before it, not only every (prefetch_depth + 1)-th
+        for k in range(self._bcur, min(len(self.bwd_order), q + 1 + self.prefetch_depth)):
             self._catch_up_backward(self.units[self.bwd_order[k]])
             self._bcur = k + 1
 

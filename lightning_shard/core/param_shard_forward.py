@@ -45,12 +45,10 @@ class ForwardHooks:
                             p.waiting[self.units[self.fwd_order[k]]] = None
                         self._issue(unit, "gather")
                         p.cursor = pos + 1
-                        for k in range(p.cursor, min(len(self.fwd_order), p.cursor + self.prefetch_depth)):
-                            self._issue(self.units[self.fwd_order[k]])
-                            p.waiting[self.units[self.fwd_order[k]]] = None
-                            p.cursor = k + 1
+                        self._prefetch_forward(pos)
                         self._materialize(unit)
-                    else:
+                    else:  # prefetched (or, if it was freed, run again / out of order: refused once agreed)
+                        self._prefetch_forward(pos)
                         self._unplanned(unit, "its module ran again after its forward had ended in this step, or "
                                               "out of the order recorded in the first step")
                     for w, at in p.waiting.items():  # passed over by this unit: freed when their enclosure ends
@@ -59,6 +57,17 @@ class ForwardHooks:
                 if p is not None and p.grad and self._has_frozen(unit):
                     self._watch_inputs(unit, args, kwargs)
         return hook
+
+    def _prefetch_forward(self, pos: int) -> None:
+        """Keep ``prefetch_depth`` scheduled units issued ahead of schedule position ``pos`` (the unit whose forward
+        starts; -1: the pass starts). Every unit's start moves the window, the prefetched ones' too, so that each unit
+        after the first is gathered behind the compute of the ones before it. Issues follow the schedule's order, so
+        every rank issues the same gathers in the same order whatever it runs."""
+        p = self._pass
+        for k in range(p.cursor, min(len(self.fwd_order), pos + 1 + self.prefetch_depth)):
+            self._issue(self.units[self.fwd_order[k]])
+            p.waiting[self.units[self.fwd_order[k]]] = None
+            p.cursor = k + 1
 
     @staticmethod
     def _has_frozen(unit: Unit) -> bool:

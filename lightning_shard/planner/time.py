@@ -22,7 +22,9 @@ Overlap (what the engine does, core/sync.py and core/param_shard*.py):
   collectives are waited on at once: fully exposed.
 * stage 3: a unit's gather is prefetched while the previous unit computes (``prefetch_depth`` >= 1), so each
   unit costs max(compute of the previous unit, its own communication); backward shares the link between
-  the prefetch gather and the reduce-scatter. Without prefetch every gather is exposed.
+  the prefetch gather and the reduce-scatter. Without prefetch every gather is exposed. (The engine also issues
+  the first units at the start of the forward and of the backward, behind the root's gather and the loss's
+  backward; not modelled: the first unit's gather of each pass counts as exposed here.)
 """
 
 from __future__ import annotations

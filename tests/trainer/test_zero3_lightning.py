@@ -137,6 +137,38 @@ def test_prefetch_issues_next_gather_before_current_unit_finishes(worlds):
     assert w_second.index(("gather", 2)) > w_second.index(("forward_done", 1))
 
 
+def _last_batch(events: list) -> tuple[list, list]:
+    """The last micro-batch's controller events, split into its forward and its backward (at the backward's
+    first prefetch or gather after the last forward end)."""
+    start = max(i for i, e in enumerate(events) if e[0] == "batch")
+    last = events[start + 1:]
+    end = max(i for i, e in enumerate(last) if e[0] == "forward_done")
+    return last[:end + 1], last[end + 1:]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_keeps_every_unit_ahead_not_every_other(worlds, depth):
+    """Every scheduled unit is issued ahead of its use: in a step after the first, no unit but the root is
+    gathered on arrival (a "gather" event), in forward or in backward, and each unit of the forward is issued
+    before the forward of the unit ``depth`` places before it ends. (The window once moved only when a unit
+    arrived that had not been prefetched, so with depth 1 every other unit waited for its whole gather.) zero3
+    with ``min_unit_mb=0``: 16 units on the tiny GPT, each module with parameters."""
+    kw = flavour("zero3", "tiny_lm", prefetch_depth=depth, min_unit_mb=0)
+    res = worlds(2).run(fit_zero, 3, "per_micro_batch", 1, steps=3, model="tiny_lm", record_events=True,
+                        strategy_kwargs=kw)[0]
+    root = res["units"].index("<root>")
+    forward, backward = _last_batch(res["events"])
+    order = [u for what, u in forward if what == "forward_done" and u != root]
+    assert len(order) >= 8, res["units"]
+    issued = {u: i for i, (what, u) in enumerate(forward) if what in ("prefetch", "gather")}
+    ended = {u: i for i, (what, u) in enumerate(forward) if what == "forward_done"}
+    assert [(w, u) for w, u in forward if w == "gather" and u != root] == []
+    assert [(w, u) for w, u in backward if w == "gather" and u != root] == []
+    for k in range(depth, len(order)):
+        assert issued[order[k]] < ended[order[k - depth]], (k, order, forward)
+    assert sum(1 for w, _ in backward if w == "prefetch") >= len(order) - 2  # gathered again for backward
+
+
 def test_model_state_bytes_per_rank_bf16_adam(worlds):
     """bf16 parameters, fp32 masters, Adam: per rank 2 (bf16 shard) + 4 (master) + 8 (Adam) + 4 (fp32 grad
     shard at step time) = 18 bytes per parameter / N, plus padding. ZeRO's 16Psi/N counts 2-byte gradients."""
