@@ -32,6 +32,7 @@ class Counts(L.Callback):
         self.unit_of: dict[str, str] = {}  # ledger tag of a stage-3 bucket -> its unit
         self.schedule: list[str] = []  # the backward schedule at the end of fit
         self.resident: list[str] = []
+        self.step_units: list[str] = []  # gathered around the step (the root): once per pass, kept into backward
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         if self.probe:
@@ -63,6 +64,7 @@ class Counts(L.Callback):
         # units the discovery saw run twice in one pass (gathered until the pass ends from then on)
         self.resident = [u.name for u in self.controller.units if u.resident] if self.controller is not None else []
         self.schedule = [self.controller.units[i].name for i in self.controller.bwd_order] if self.controller else []
+        self.step_units = [u.name for u in self.controller.step_units] if self.controller is not None else []
 
 
 def _strategy(name: str, **kwargs: Any) -> Any:
@@ -95,7 +97,8 @@ def fit_ac(name: str, strategy: str, steps: int, acc: int, ac: Any = None, probe
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None,
             "gathers": counts.gathers, "calls": counts.calls, "checkpointed": counts.blocks,
             "resident": counts.resident, "events": counts.events, "unit_of": counts.unit_of,
-            "backward_schedule": counts.schedule, "warnings": [str(w.message) for w in seen],
+            "backward_schedule": counts.schedule, "step_units": counts.step_units,
+            "warnings": [str(w.message) for w in seen],
             "left_patched": [n for n, m in module.named_modules() if activation.checkpointed(m)]}
 
 

@@ -173,6 +173,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "policy": strategy.accumulation_policy,
         "opt_state": trainer.strategy.optimizer_state(opt) if save_to else None,
         "units": [u.name for u in engine.units],
+        "step_units": [u.name for u in engine.controller.step_units] if engine.controller else [],
         "unit_buckets": [len(u.buckets) for u in engine.units],
         "unit_bytes": [u.full_bytes for u in engine.units],
         "peak_gathered": engine.controller.peak_gathered_bytes if engine.controller else 0,

@@ -230,9 +230,12 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             return
         for u in self.step_units:
             self._hook_backward(u, output)
-        if not torch.is_grad_enabled() or (self.reshard_after_forward and not self._keep_params()):
+        if not torch.is_grad_enabled():  # no backward follows
             for u in self.step_units:
                 self._free(u)
+        # with gradients the step's units stay gathered: the loss's backward needs them first (an LM head), so
+        # freeing them here would gather them again at once, with nothing allocated in between (FSDP2 keeps its root
+        # too); backward frees them with the others (end_backward), the optimizer step at the latest (before_step)
 
     def end_pass(self) -> None:
         """The forward of the step is over: gather the rest of the schedule (other ranks may need it), free what

@@ -18,12 +18,6 @@ class BackwardSchedule:
         for u in self.step_units:
             if u.state is ParamState.UNSHARDED:
                 self._prepare_backward(u)
-        # the first units of the schedule are gathered behind the backward of what runs before them (the loss, an
-        # LM head in the root unit), as every later unit is behind the one before it
-        with self._quiet():
-            for k in range(min(len(self.bwd_order), self.prefetch_depth)):
-                self._catch_up_backward(self.units[self.bwd_order[k]])
-                self._bcur = k + 1
 
     def _advance_backward_to(self, unit: Unit) -> None:
         """Issue the backward schedule up to ``unit`` (and the prefetch after it), in schedule order."""
@@ -79,6 +73,15 @@ class BackwardSchedule:
                 self._free(u)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if unit in self.step_units:
+            # the loss's gradient reaches the step's root unit first: the first units of the schedule are gathered
+            # behind the backward of what runs before them (the loss, an LM head in the root unit), as every later
+            # unit is behind the one before it. Issued here, inside autograd, not in begin_backward: the ledger
+            # counts them as the backward's gathers
+            with self._quiet():
+                for k in range(self._bcur, min(len(self.bwd_order), self.prefetch_depth)):
+                    self._catch_up_backward(self.units[self.bwd_order[k]])
+                    self._bcur = k + 1
         if unit.backward_prepared:
             return
         with self._quiet():

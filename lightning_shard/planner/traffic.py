@@ -8,8 +8,9 @@ https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The rules 
 stages 0-2 (``core/engine.py``): each trainable bucket is all-reduced (stage 0) or reduce-scattered on the
 boundary micro-batch, or on every micro-batch with ``per_micro_batch``; stages 1/2 all-gather every bucket
 after the step. Stage 3 (``core/param_shard.py``): every unit's buckets (frozen ones too) are gathered in forward
-and again in backward (``reshard_after_forward``), once per micro-batch without it, once per step with
-``keep_params``; trainable buckets are reduce-scattered per micro-batch or at the boundary only. Hybrid:
+and again in backward (``reshard_after_forward``; the root unit's not again: it stays gathered into backward), once
+per micro-batch without it, once per step with ``keep_params``; trainable buckets are reduce-scattered per
+micro-batch or at the boundary only. Hybrid:
 one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
 ``secondary_shard`` (hpZ): a bucket's first gather of the step is on the gather group, its others on the island
 group, from the kept copies (exact bytes). ``gather_quant`` / ``reduce_quant``: those gathers and reductions carry
@@ -90,9 +91,13 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 times = 1 if m == 0 else 0
             else:
                 times = 2 if cfg.reshard_after_forward else 1
+            # the root unit stays gathered from its forward into backward (the loss's backward needs it first)
+            root = {b.index for u in layout.units if u.is_root for b in u.buckets}
             for k in range(times):
                 for b in layout.buckets:
                     phase = "forward" if k == 0 else "backward"
+                    if k == 1 and b.index in root:
+                        continue
                     if cfg.secondary_shard and (m, k) != (0, 0):  # hpZ: after the window's first gather, the island
                         out.append(Collective("all_gather", "island", cfg.secondary_shard, b.padded_numel * b.itemsize,
                                               "unshard", phase, m, b.index))

@@ -259,7 +259,9 @@ class Zero3Config(ZeroConfig):
         keeps them until its backward (ZeRO-2-like traffic, more memory).""")
     prefetch_depth: int = knob(PREFETCH_DEPTH["zero3"], """Units all-gathered ahead of use, in forward and in backward
         (0 disables). zero3: 3 (its units are single modules, a fraction of a block: three ahead is about the bytes of
-        fsdp_shard's one block ahead); fsdp_shard: 1. Each one ahead holds one more unit's full parameters.""")
+        fsdp_shard's one block ahead); fsdp_shard: 1. Every unit's start keeps the next ones issued, and the starts of
+        the forward and of the backward issue the first ones (behind the root's gather, and the loss's and an LM head's
+        backward). Each one ahead holds one more unit's full parameters.""")
     offload_params: bool = knob(False, """ZeRO-Offload of the parameters too (with ``offload_optimizer=True``): each
         unit's persistent shard lives in host memory (pinned on CUDA) and is copied to the device just before its
         all-gather, so the accelerator holds only the gathered units (and gradients in flight).""")
@@ -326,7 +328,7 @@ class FSDPConfig(Zero3Config):
     wrap_classes: Any = _wrap_classes()
     min_params: Optional[int] = _min_params()
     prefetch_depth: int = knob(PREFETCH_DEPTH["fsdp"], """Units (blocks) all-gathered ahead of use, in forward and in
-        backward (0 disables); each one ahead holds one more block's full parameters.""")
+        backward (0 disables), as zero3's; each one ahead holds one more block's full parameters.""")
 
     def validate(self, owner: Optional[str] = None) -> "FSDPConfig":
         if self.wrap_classes is None and self.min_params is None:

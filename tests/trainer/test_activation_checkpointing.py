@@ -79,7 +79,8 @@ def test_parity_and_recomputation(worlds, name, strategy, knob, acc):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_stage3_gathers_each_unit_once_per_pass(worlds, name, strategy):
     """zero3: a block holds several per-module units, gathered as the recomputation reaches them, once each;
-    fsdp_shard: the block is the unit, gathered for its backward before the recomputation runs."""
+    fsdp_shard: the block is the unit, gathered for its backward before the recomputation runs. The step's root unit
+    is gathered in forward only: it stays gathered into backward."""
     for knob in ("auto", "classes"):
         res, plain = run(worlds, name, strategy, 2, knob), run(worlds, name, strategy, 2, None)
         for r, p in zip(res, plain):
@@ -88,7 +89,8 @@ def test_stage3_gathers_each_unit_once_per_pass(worlds, name, strategy):
                 assert per_batch and set(per_batch.values()) == {1}, per_batch
                 forward = {tag for phase, tag in per_batch if phase == "forward"}
                 backward = {tag for phase, tag in per_batch if phase == "backward"}
-                assert forward == backward, (forward ^ backward)
+                held = {tag for tag in forward if r["unit_of"][tag] in r["step_units"]}  # kept into backward
+                assert forward - held == backward, (forward ^ backward, held)
             assert r["resident"] == []  # the recomputation is not a second forward of a unit in the pass
         units = {tag for phase, tag in res[0]["gathers"][0]}
         # zero3: several units per GPT-2 block; torch's encoder layer reads its children's weights itself (its fast
