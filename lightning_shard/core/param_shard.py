@@ -14,12 +14,14 @@ differently on different ranks.
 Forward: a unit's pre-forward hook gathers it and keeps the next ``prefetch_depth`` scheduled units issued (the
 step's start issues the first ones), its post-forward hook frees it (``reshard_after_forward``) and hooks its outputs
 so that backward gathers it again (with the units before it issued ahead the same way; the backward's start issues
-the first ones). In backward a unit is freed once all of its trainable gradients are in
-**and** the gradients of its inputs are computed: frozen weights (LoRA's base) are needed for the latter.
+the first ones, from the root unit's pre-backward hook). In backward a unit is freed once all of its trainable
+gradients are in **and** the gradients of its inputs are computed: frozen weights (LoRA's base) are needed for the
+latter.
 
 Parameters used outside their unit's forward are found in the first step (:mod:`.guard`) and their unit is
 gathered with its user from then on (``Unit.host``). The root unit (tied weights, parameters no unit claims) is
-gathered around the whole step.
+gathered around the whole step: from the step's start until backward frees it (a forward without gradients frees
+it at its end).
 
 Policies across an accumulation window (DESIGN.md section 3):
 ``per_micro_batch``/``keep_unsharded_grads``: gather in forward and backward of every micro-batch;
