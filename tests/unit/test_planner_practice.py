@@ -108,5 +108,17 @@ def practice_table() -> str:
     return "\n".join(out)
 
 
+def test_docs_table_is_the_practice_table():
+    """docs/planner.md shows what ``practice_table()`` prints now (it had drifted from the code unnoticed before issue
+    16's tenth round): regenerate it with ``python -m tests.unit.test_planner_practice`` when the planner changes."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    rows = [ln for ln in practice_table().splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
+    claims = ("| NVSwitch", "| NVL pairs", "| PCIe only", "| ZeRO-1/2/3")
+    shown = [ln for ln in doc.splitlines() if ln.startswith(claims)]
+    assert shown == rows
+
+
 if __name__ == "__main__":
     print(practice_table())
