@@ -141,10 +141,6 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
     def peak_gathered_bytes(self) -> int:
         return self.gauge.peak
 
-    def _keep_params(self) -> bool:
-        """In a training forward under ``keep_params``: parameters stay for the rest of the window."""
-        return self.keep_params and torch.is_grad_enabled()
-
     def _keeps_after_forward(self, grad: bool) -> bool:
         return grad and (not self.reshard_after_forward or self.keep_params)
 

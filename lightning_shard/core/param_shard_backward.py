@@ -29,8 +29,12 @@ class BackwardSchedule:
                 self._catch_up_backward(self.units[self.bwd_order[k]])
             self._issue(unit, "gather")
             self._bcur = q + 1
-        # a prefetched unit moves the window too: each unit after the first is gathered behind the backward of
-        # the ones before it, not only every (prefetch_depth + 1)-th
+        self._prefetch_backward(q)
+
+    def _prefetch_backward(self, q: int) -> None:
+        """Keep ``prefetch_depth`` units of the backward schedule issued ahead of position ``q`` (-1: backward
+        starts). A prefetched unit moves the window too: each unit after the first is gathered behind the backward
+        of the ones before it, not only every (prefetch_depth + 1)-th."""
         for k in range(self._bcur, min(len(self.bwd_order), q + 1 + self.prefetch_depth)):
             self._catch_up_backward(self.units[self.bwd_order[k]])
             self._bcur = k + 1
@@ -79,9 +83,7 @@ class BackwardSchedule:
             # unit is behind the one before it. Issued here, inside autograd, not in begin_backward: the ledger
             # counts them as the backward's gathers
             with self._quiet():
-                for k in range(self._bcur, min(len(self.bwd_order), self.prefetch_depth)):
-                    self._catch_up_backward(self.units[self.bwd_order[k]])
-                    self._bcur = k + 1
+                self._prefetch_backward(-1)
         if unit.backward_prepared:
             return
         with self._quiet():

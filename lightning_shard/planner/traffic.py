@@ -84,6 +84,8 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
     gname = "shard" if hybrid else "world"
     out: list[Collective] = []
     acc = job.accumulation
+    # stage 3: the root unit stays gathered from its forward into backward (the loss's backward needs it first)
+    root = {b.index for u in layout.units if u.is_root for b in u.buckets}
     for m in range(acc):
         boundary = m == acc - 1
         if layout.stage == 3:
@@ -91,8 +93,6 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 times = 1 if m == 0 else 0
             else:
                 times = 2 if cfg.reshard_after_forward else 1
-            # the root unit stays gathered from its forward into backward (the loss's backward needs it first)
-            root = {b.index for u in layout.units if u.is_root for b in u.buckets}
             for k in range(times):
                 for b in layout.buckets:
                     phase = "forward" if k == 0 else "backward"
