@@ -12,7 +12,7 @@ knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: o
 (``--variants``, :data:`OPT_IN`) the same with the knobs of a suffix (:data:`SUFFIXES`): ``_ac``
 (``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload`` (``offload_optimizer``),
 ``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the backend's reduce-scatter),
-``_pf3`` / ``_pf1`` (stage 3: ``prefetch_depth=3`` / ``1``).
+``_pf3`` / ``_pf2`` / ``_pf1`` (stage 3: ``prefetch_depth=3`` / ``2`` / ``1``).
 
 DeepSpeed peers (peak suite, opt-in: ``--variants ds_zero1 ds_zero2 ds_zero3``; needs the ``bench-deepspeed`` extra):
 DeepSpeed ZeRO stage 1/2/3 with the same model, data, seed, AdamW groups and step counts, run by
@@ -36,6 +36,7 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (gloo's default until issue 16)
     "_pf3": {"prefetch_depth": 3},  # stage 3: three units gathered ahead instead of one
     "_pf1": {"prefetch_depth": 1},  # stage 3: one unit ahead (zero3's default is 3)
+    "_pf2": {"prefetch_depth": 2},  # stage 3: two units ahead
     "_ar": {"reduce_scatter_via": "all_reduce"},  # gloo's default before the all-to-all form (issue 16)
     "_u0": {"min_unit_mb": 0.0},  # zero3: one unit per module with parameters (before issue 16's merging)
     # compressed communication (issue 14, core/quant.py): int8 gathers, int8 / int4 reductions, both
@@ -49,7 +50,7 @@ SUFFIXES: dict[str, dict[str, Any]] = {
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
             "zero1_rs", "zero2_rs", "zero3_rs", "fsdp_shard_rs", "zero3_pf3", "fsdp_shard_pf3",
-            "zero3_pf1", "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0",
+            "zero3_pf1", "zero3_pf2", "fsdp_shard_pf2", "zero1_ar", "zero2_ar", "zero3_ar", "fsdp_shard_ar", "zero3_u0",
             "zero2_q8r", "zero2_q4r", "zero3_q8g", "zero3_q8r", "zero3_q4r", "zero3_q8", "fsdp_shard_q8",
             "zero1_agc", "zero2_agc", "zero3_agc", "fsdp_shard_agc",
             "zero1_nohuge", "zero2_nohuge", "zero3_nohuge", "fsdp_shard_nohuge")
@@ -132,6 +133,8 @@ NOTES = {
     "fsdp_shard_ar": "fsdp_shard with reduce_scatter_via='all_reduce'",
     "zero3_u0": "zero3 with min_unit_mb=0 (one unit per module with parameters: the plan before issue 16)",
     "fsdp_shard_pf3": "fsdp_shard with prefetch_depth=3 (three units gathered ahead)",
+    "fsdp_shard_pf2": "fsdp_shard with prefetch_depth=2 (two units gathered ahead)",
+    "zero3_pf2": "zero3 with prefetch_depth=2 (two units gathered ahead)",
     "zero2_q8r": "zero2 with reduce_quant='int8' (quantized reductions with error feedback, docs/compression.md)",
     "zero2_q4r": "zero2 with reduce_quant='int4'",
     "zero3_q8g": "zero3 with gather_quant='int8' (quantized parameter all-gathers)",
