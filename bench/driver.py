@@ -264,8 +264,8 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["repeats"] = [{k: r.get(k) for k in ("tokens_per_s_mean", "tokens_per_s_per_rank", "median_step_s_per_rank",
                                              "phase_s_per_step_rank0", "engine_s_per_step_rank0", "variant_wall_s",
                                              "off_cpu_s_per_step_rank0", "minor_faults_per_step_rank0",
-                                             "cpu_s_per_step_rank0", "process_cpu_s_per_step_all_ranks",
-                                             "step_times_s_rank0")}
+                                             "minor_faults_per_step_per_rank", "cpu_s_per_step_rank0",
+                                             "process_cpu_s_per_step_all_ranks", "step_times_s_rank0")}
                       for r in good]
     out["failed_repeats"] = len(runs) - len(good)
     out["tokens_per_s_mean"] = sum(r["tokens_per_s_mean"] for r in good) / len(good)
@@ -282,6 +282,12 @@ def merge_repeats(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         names = dict.fromkeys(k for r in good for k in r.get(key, {}))
         out[key] = {k: sum(r[key][k] for r in good if k in r.get(key, {})) / sum(k in r.get(key, {}) for r in good)
                     for k in names}
+    # page faults per step of each rank, the mean over the runs that counted them (the ranks of one run can differ
+    # several-fold: glibc's heap is each process's own)
+    counted = [r["minor_faults_per_step_per_rank"] for r in good
+               if r.get("minor_faults_per_step_per_rank") and None not in r["minor_faults_per_step_per_rank"]]
+    out["minor_faults_per_step_per_rank"] = [sum(c[i] for c in counted) / len(counted)
+                                             for i in range(len(counted[0]))] if counted else None
     cpu_all = [r["process_cpu_s_per_step_all_ranks"] for r in good if r.get("process_cpu_s_per_step_all_ranks")]
     out["process_cpu_s_per_step_all_ranks"] = sum(cpu_all) / len(cpu_all) if cpu_all else None
     out["median_step_s_per_rank"] = [sorted(r["median_step_s_per_rank"][i] for r in good)[len(good) // 2]
@@ -312,6 +318,7 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
         "off_cpu_s_per_step_rank0": ranks[0].get("off_cpu_s_per_step", {}),
         "labels_s_per_step_rank0": ranks[0].get("labels_s_per_step", {}),
         "minor_faults_per_step_rank0": ranks[0].get("minor_faults_per_step"),
+        "minor_faults_per_step_per_rank": [r.get("minor_faults_per_step") for r in ranks],
         "cpu_s_per_step_rank0": ranks[0].get("cpu_s_per_step") or {},
         "process_cpu_s_per_step_all_ranks": (sum(r["cpu_s_per_step"]["process"] for r in ranks)
                                              if all(r.get("cpu_s_per_step") for r in ranks) else None),

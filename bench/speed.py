@@ -198,7 +198,7 @@ def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = No
 def phase_rows(s: dict[str, Any]) -> list[str]:
     lines = ["| variant | forward | (off-CPU) | backward+sync | (off-CPU) | optimizer+sync | (off-CPU) | "
              "between steps | (off-CPU) | step | CPU: main thread | CPU: other threads | CPU: all ranks | "
-             "page faults / step | profiled labels (s/step) |",
+             "page faults / step, rank 0 / 1 / ... (mean of runs) | profiled labels (s/step) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for v, r in s["results"].items():
         if "error" in r:
@@ -211,11 +211,12 @@ def phase_rows(s: dict[str, Any]) -> list[str]:
         named = [(k, lab.get(f"lightning_shard.{k}")) for k in OUR_LABELS] + [(k, lab.get(k)) for k in FSDP_LABELS]
         named += [(k, x) for k, x in lab.items() if k.startswith("DistributedDataParallel.")]
         text = ", ".join(f"{k.replace('FSDP::', 'FSDP ')} {x:.3f}" for k, x in named if x)
-        faults = r.get("minor_faults_per_step_rank0")
+        each = r.get("minor_faults_per_step_per_rank")
+        faults = " / ".join(_f(x, 0) for x in each) if each else _f(r.get("minor_faults_per_step_rank0"), 0)
         cpu = r.get("cpu_s_per_step_rank0") or {}
         other = cpu["process"] - cpu["main"] if cpu else None
         cpu_cells = f"{_f(cpu.get('main'))} | {_f(other)} | {_f(r.get('process_cpu_s_per_step_all_ranks'))}"
-        lines.append(f"| {v} | {' | '.join(cells)} | {sum(p.values()):.3f} | {cpu_cells} | {_f(faults, 0)} | "
+        lines.append(f"| {v} | {' | '.join(cells)} | {sum(p.values()):.3f} | {cpu_cells} | {faults} | "
                      f"{text or '-'} |")
     return lines
 

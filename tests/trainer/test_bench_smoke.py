@@ -68,6 +68,8 @@ def test_bench_speed_smoke(tmp_path):
         assert r["tokens_per_s_best"] == max(x["tokens_per_s_mean"] for x in r["repeats"]), v
         assert set(r["off_cpu_s_per_step_rank0"]) == set(r["phase_s_per_step_rank0"]), v
         assert r["minor_faults_per_step_rank0"] is not None, v
+        each = r["minor_faults_per_step_per_rank"]  # every rank's count, the mean over the two runs
+        assert len(each) == 2 and each[0] == sum(x["minor_faults_per_step_per_rank"][0] for x in r["repeats"]) / 2, v
     assert res["zero2"]["ratio_vs_ddp"] == res["zero2"]["tokens_per_s_best"] / res["ddp"]["tokens_per_s_best"]
     labels = res["zero2"]["labels_s_per_step_rank0"]
     assert {"lightning_shard.reduce_launch", "lightning_shard.reduce_wait", "lightning_shard.post_backward"} <= set(
