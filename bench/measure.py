@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from variants import OURS, model_param_bytes
+from variants import OURS, model_param_bytes, program_of
 from wire import Counters, counting_allreduce_hook, wire_per_step
 
 # JSON keys of ``engine_s_per_step``: the ShardEngine methods; their profiler label drops the leading underscore
@@ -209,7 +209,7 @@ def make_callback(args: argparse.Namespace, variant: str, counters: Counters):
                 self.baseline_rss = rss_bytes()
                 self.setup_peak_rss = peak_rss_bytes()
                 self.hwm_reset = reset_peak_rss()
-            if variant in ("ddp", "zero_r") and args.comm_hook:
+            if program_of(variant) in ("ddp", "zero_r") and args.comm_hook:
                 trainer.strategy.model.register_comm_hook(counters, counting_allreduce_hook)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -14,6 +14,10 @@ knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: o
 ``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the backend's reduce-scatter),
 ``_pf3`` / ``_pf2`` / ``_pf1`` (stage 3: ``prefetch_depth=3`` / ``2`` / ``1``).
 
+A/A controls (speed suite, opt-in, :data:`AA_CONTROLS`): ``ddp_aa`` and ``fsdp2_aa`` run the program of ``ddp`` and
+``fsdp2`` under another name, so that their paired ratio to the peer in the same run shows how far two identical
+programs spread on the machine: the noise floor that any other ratio of that run is to be read against.
+
 DeepSpeed peers (peak suite, opt-in: ``--variants ds_zero1 ds_zero2 ds_zero3``; needs the ``bench-deepspeed`` extra):
 DeepSpeed ZeRO stage 1/2/3 with the same model, data, seed, AdamW groups and step counts, run by
 ``bench/deepspeed_rank.py`` under ``deepspeed.initialize`` rather than a Lightning Trainer (Lightning's
@@ -74,9 +78,18 @@ DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
 if importlib.util.find_spec("deepspeed") is not None:
     SUITES["peak"] = SUITES["peak"] + DEEPSPEED
     SUITES["speed"] = SUITES["speed"] + DEEPSPEED
+# A/A controls (speed suite, opt-in): a peer run again under another name, the same program; its paired ratio to the
+# peer in one run is that run's noise floor, how far the ratio of two identical programs spreads on this machine
+AA_CONTROLS = {"ddp_aa": "ddp", "fsdp2_aa": "fsdp2"}
 OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"]),
-          "speed": ("single", "zero0") + _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
+          "speed": ("single", "zero0") + tuple(AA_CONTROLS) + _KNOBBED
+          + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
 DEFAULT_KNOBS = ("peak", "speed")  # suites that run every strategy with its default knobs (make_strategy)
+
+
+def program_of(variant: str) -> str:
+    """The variant whose program ``variant`` runs: an A/A control's peer, else ``variant`` itself."""
+    return AA_CONTROLS.get(variant, variant)
 
 
 def split_variant(variant: str) -> tuple[str, dict[str, Any]]:
@@ -103,6 +116,8 @@ NOTES = {
     "zero1": "lightning_shard: reduce-scatter grads, sharded AdamW, all-gather params",
     "zero2": "as zero1, full grads freed after reduce-scatter",
     "ddp": "Lightning DDPStrategy (baseline)",
+    "ddp_aa": "Lightning DDPStrategy again, the same program as ddp (A/A control: its ratio to ddp is the noise)",
+    "fsdp2_aa": "torch FSDP2 again, the same program as fsdp2 (A/A control: its ratio to fsdp2 is the noise)",
     "zero_r": "torch ZeroRedundancyOptimizer(AdamW) under Lightning DDP: all-reduce + per-param broadcasts",
     "zero3": "lightning_shard Zero3Strategy: every module with parameters is a unit",
     "fsdp_shard": "lightning_shard FSDPShardStrategy(wrap_classes=[GPT block]): one unit per block + root",
@@ -262,7 +277,7 @@ def make_module(args: argparse.Namespace, variant: str):
                 return zr
             return torch.optim.AdamW(groups, **hp)
 
-    if variant != "fsdp2":
+    if program_of(variant) != "fsdp2":
         return BenchModule()
 
     class FSDP2Module(BenchModule):
@@ -309,6 +324,7 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
 
     if variant == "single":
         return "auto"
+    variant = program_of(variant)
     if variant in ("ddp", "zero_r"):
         return DDPStrategy(process_group_backend="gloo")
     if variant == "fsdp2":

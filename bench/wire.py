@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from variants import OURS, STAGE3
+from variants import OURS, STAGE3, program_of
 
 
 class Counters:
@@ -97,7 +97,7 @@ def install_counters(variant: str, counters: Counters) -> None:
     """Wrap the collectives this variant issues outside the LEDGER (the DDP hook is registered at train start)."""
     if variant == "zero_r":
         patch_broadcast(counters)
-    elif variant == "fsdp2":
+    elif program_of(variant) == "fsdp2":
         patch_fsdp2_collectives(counters)
 
 
@@ -162,7 +162,7 @@ def wire_per_step(args: argparse.Namespace, variant: str, trainer: Any, entries:
         detail: dict[str, Any] = {"ledger": summary, "used_mask_calls_per_step": len(mask) / n,
                                   "used_mask_bytes_per_step": sum(e.bytes for e in mask) / n,
                                   "used_mask_wire_bytes_per_step": sum(e.wire_bytes for e in mask) / n}
-    elif variant == "fsdp2":
+    elif program_of(variant) == "fsdp2":
         units = fsdp2_units(trainer.lightning_module.model, world)
         wire = sum(ring * u["padded_bytes"] * (3 if u["reshard_after_forward"] else 2) for u in units)
         wire_source = ("computed, not measured: per FSDP2 unit padded flat S, all-gather fwd + all-gather bwd "
