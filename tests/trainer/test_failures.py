@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -47,8 +48,13 @@ def test_killed_rank_ends_the_job_and_last_checkpoint_resumes_exactly(tmp_path, 
     code, output, seconds = run_job("kill", tmp_path)
     assert code != 0
     assert "RANK1 STEP 5" in output, output[-3000:]  # rank 1 got to the step where it kills itself
-    # rank 0's error is the library's, naming the collective that lost its peer, with gloo's reason
-    assert "rank 0: the gradient reduction of bucket" in output and "failed" in output, output[-3000:]
+    # rank 0's error is the library's, naming the collective that lost its peer, with gloo's reason. Which one
+    # depends on timing: rank 1 dies at the start of step 5 while step 4's post-step all-gather (issued
+    # asynchronously, waited on in the next forward) may still be in flight on its side; if it finished, rank 0
+    # loses its peer in step 5's gradient reduction instead. Both are real collectives of this job's schedule.
+    lost = re.search(r"rank 0: the (gradient reduction|post-step parameter all-gather) of bucket \d+ \([^)]*\) "
+                     r"failed", output)
+    assert lost, output[-3000:]
     assert any(s in output for s in ("Connection closed", "Connection reset", "Broken pipe")), output[-3000:]
     assert "waiting for clients" not in output and "DistStoreError" not in output  # not the start-up
     assert (tmp_path / "last.ckpt" / "meta.json").is_file()
