@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from peak import markdown_peak
+from variants import program_of
 
 
 def _header(doc: dict[str, Any], title: str) -> list[str]:
@@ -100,8 +101,8 @@ def markdown_zero3(doc: dict[str, Any]) -> str:
         counted = r["wire_detail_rank0"].get("counted_wire_bytes_per_step")
         if counted is not None:
             src += f"; cross-check, counted FSDP2 collectives: {counted / 2**20:.1f}"
-        src += f"; ideal 3-pass formula {r['wire_formula_mib_per_step']:.1f}" if v in ("zero3", "fsdp_shard", "fsdp2") \
-            else f"; formula {r['wire_formula_mib_per_step']:.1f}"
+        three_pass = program_of(v) in ("zero3", "fsdp_shard", "fsdp2")
+        src += f"; {'ideal 3-pass ' if three_pass else ''}formula {r['wire_formula_mib_per_step']:.1f}"
         lines.append(f"| {v} | {r['tokens_per_s_mean']:.0f} | {ratio('ratio_vs_fsdp2')} | {ratio('ratio_vs_ddp')} | "
                      f"{fmt(r['model_state_mib_per_rank'])} | {fmt(r['optimizer_state_mib_per_rank'])} | "
                      f"{fmt(r['peak_rss_mib_per_rank'], 0)} | {r['wire_mib_per_step_per_rank']:.1f} | {src} | {note} |")
