@@ -204,19 +204,26 @@ def two_setups() -> None:
         fabric.strategy.teardown()
 
 
-def double_backward() -> None:
-    """Two micro-batches without no_backward_sync before one step: the second backward is refused (its gradients
-    would be summed into buckets already reduced), with the fix in the message."""
-    fabric = Fabric(accelerator="cpu", devices=C.get_world_size(), strategy="zero2")
+def double_backward(strategy: str) -> dict[str, Any]:
+    """Two backwards without no_backward_sync, then one step (torch's contract: the step applies the sum of both,
+    averaged over ranks, as DDP's linear all-reduces give): the weights after the step, and the gradient reductions
+    the ledger saw."""
+    fabric = Fabric(accelerator="cpu", devices=C.get_world_size(), strategy=strategy)
     fabric.launch()
+    L.seed_everything(0, verbose=False)
     net = _model("gpt")
     net, opt = fabric.setup(net, _optimizer(net, "sgd"))
-    tokens = dataset(1, 2, C.get_world_size(), "tiny_lm").tensors[0][:4]
+    data = dataset(1, 2, C.get_world_size(), "tiny_lm").tensors[0]
+    mark = C.LEDGER.mark()
     try:
-        for _ in range(2):
-            fabric.backward(_loss(net, tokens))
+        for k in range(2):
+            fabric.backward(_loss(net, data[k * 8 + C.get_rank() * 4:][:4]))
+        opt.step()
+        state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     finally:
-        fabric.strategy.teardown()
+        if strategy != "ddp":
+            fabric.strategy.teardown()
+    return {"state": state, "reductions": sum(e.tag.startswith("grad_bucket") for e in C.LEDGER.since(mark))}
 
 
 def shard_alias_probe(strategy: str, model: str = "torch_lm") -> dict[str, Any]:

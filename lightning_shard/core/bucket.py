@@ -192,6 +192,9 @@ class Bucket:
         self.grad_buf: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
         self.accum: Optional[torch.Tensor] = None  # fp32 shard accumulator (per_micro_batch policy)
+        # the averaged gradient shard published earlier in this optimizer window, as the optimizer holds it now: a
+        # backward after the boundary (manual optimization: several backwards before a step) adds to it
+        self.carry: Optional[torch.Tensor] = None
         self.state = GradState.EMPTY
         self.pending = 0
         self.lazy = False  # the full gradient buffer is allocated when this backward's first gradient arrives
@@ -485,6 +488,52 @@ class Bucket:
         self._work = C.all_to_all(self._pieces.view(-1), self._qsend.view(-1), group=self.group, async_op=async_op,
                                   tag=tag)
 
+    # ------------------------------------------------------------------ the window as the user's optimizer sees it
+    def hold(self) -> None:
+        """This window's gradients stay here, not (all) reduced, until a boundary or the step; the optimizer is shown
+        placeholders, so that a ``zero_grad()`` meanwhile is seen (:meth:`take_in_zero_grad`)."""
+        if self.state is not GradState.ACCUMULATING:
+            self.set_state(GradState.ACCUMULATING)
+        self.optimizer_view.show_pending()
+
+    def take_in_zero_grad(self) -> None:
+        """Before gradients are added to or reduced from a held window: a ``zero_grad()`` of the user's optimizer
+        since drops what the window holds (torch: ``opt.step()`` applies what was accumulated since the optimizer's
+        last ``zero_grad()``). ``set_to_none=False`` keeps the parameters that had a gradient stepping, with zeros."""
+        if self.state is GradState.ACCUMULATING:
+            seen = self.optimizer_view.touched()
+            if seen is not None:
+                self.drop_window(keep_used=seen == "zeroed")
+
+    def reopen(self) -> None:
+        """A backward adds to a window already reduced (manual optimization: several backwards before the step, or
+        one reaching another optimizer's parameters). What the optimizer holds now (the published average, or
+        nothing after its ``zero_grad()``) is carried, and the next reduction's average is added to it: the linear
+        sum DDP computes, each backward's gradient communicated once."""
+        held = self.optimizer_view.held_grads()
+        self.drop_window(keep_used=held is not None)
+        if held is not None:
+            self.carry = held
+            self.hold()
+
+    def drop_window(self, keep_used: bool) -> None:
+        """Forget this window's gradients (held, accumulated, carried or published); ``keep_used``: the parameters
+        that had one still count as having a gradient (zeros) for the step."""
+        self.accum, self.carry = None, None
+        self.shard_param.grad = None
+        self.optimizer_view.set_grads(None)
+        if self.grad_buf is not None:
+            if self.spec.frees_grads:
+                self.release_grads()
+            else:  # stages 0/1 keep the buffer: its ranges are void until the next gradients arrive
+                for p in self.params:
+                    p.grad = None
+                self._filled = [False] * len(self.params)
+        if not keep_used:
+            self.used.zero_()
+        if self.state is not GradState.EMPTY:
+            self.set_state(GradState.EMPTY)
+
     def finish_reduce(self, boundary: bool, accumulate: bool) -> None:
         """Wait for the reduction; fold it into the accumulator and, on a boundary, publish the averaged grad."""
         if self._work is not None:
@@ -514,7 +563,7 @@ class Bucket:
         if self.spec.frees_grads:
             self.release_grads()  # ZeRO-2/3: the full gradient is not needed past its reduce-scatter
         if not boundary:
-            self.set_state(GradState.ACCUMULATING)
+            self.hold()
             return
         if self.replicate_group is not None:  # hybrid: one cross-island all-reduce of the shard, at the boundary
             C.all_reduce(mine, group=self.replicate_group, tag=f"replicate_bucket{self.index}")
@@ -522,6 +571,9 @@ class Bucket:
             mine = mine.to(self.shard_param.dtype)
         if self.total_world > 1:  # (x / 1 is x: at world 1 the pass over the shard is skipped, bit for bit the same)
             mine.div_(self.total_world)
+        if self.carry is not None:  # the average published earlier in this window (reopen)
+            mine.add_(self.carry.to(mine.device))
+            self.carry = None
         if self.offload:  # the optimizer steps in host memory: copy the gradient shard out
             if self.host_grad is None:
                 self.host_grad = host_buffer(self.owned_numel, self.device)
@@ -584,18 +636,7 @@ class Bucket:
 
     def end_window(self) -> None:
         """Close the accumulation window after the optimizer step (or a skipped step)."""
-        self.used.zero_()
-        self.shard_param.grad = None
-        self.optimizer_view.set_grads(None)
-        self.accum = None
-        if self.grad_buf is not None:
-            if self.spec.frees_grads:
-                self.release_grads()
-            else:  # stages 0/1 keep the buffer: its ranges are void until the next window's gradients arrive
-                for p in self.params:
-                    p.grad = None
-                self._filled = [False] * len(self.params)
-        self.set_state(GradState.EMPTY)
+        self.drop_window(keep_used=False)
 
     # ------------------------------------------------------------------ accounting
     def tensor_bytes(self) -> dict[str, int]:

@@ -39,6 +39,7 @@ class OptimizerChunks:
         n, step = shard.numel(), max(1, chunk_numel)
         self.ranges: list[tuple[int, int]] = [(i, min(i + step, n)) for i in range(0, n, step)]
         self.chunks: list[nn.Parameter] = [self._view(i, j) for i, j in self.ranges]
+        self._shown: Optional[tuple[torch.Tensor, int, list[torch.Tensor]]] = None  # show_pending's placeholders
         self._split(lambda s: slot_groups[s], {})
 
     def grouped(self) -> list[tuple[int, nn.Parameter]]:
@@ -61,8 +62,53 @@ class OptimizerChunks:
 
     # ------------------------------------------------------------------ gradients
     def set_grads(self, grad: Optional[torch.Tensor]) -> None:
+        self._shown = None
         for c, (i, j) in zip(self.chunks, self.ranges):
             c.grad = None if grad is None else grad[i:j]
+
+    # What the optimizer is shown between steps is how the engine learns what the user's ``opt.zero_grad()`` did (torch
+    # has no zero_grad hook, and the optimizer may be the raw one, Lightning's or Fabric's wrapper): EMPTY shows None,
+    # REDUCED the published gradient (whatever the user then does to it is what the next backward adds to), and a
+    # window still held unreduced shows zero placeholders, which zero_grad() replaces by None or zeroes in place.
+    def show_pending(self) -> None:
+        """Each chunk's ``.grad`` becomes a zero placeholder (one scalar, broadcast: no memory); see :meth:`touched`.
+        A no-op while the placeholders shown last are untouched."""
+        if self._shown is not None and self.touched() is None:
+            return
+        zero = torch.zeros((), dtype=self.shard.dtype, device=self.shard.device)
+        views = []
+        for c in self.chunks:
+            c.grad = zero.expand(c.shape)
+            views.append(c.grad)
+        self._shown = (zero, zero._version, views)
+
+    def touched(self) -> Optional[str]:
+        """Since :meth:`show_pending`: None (untouched), ``"none"`` (every chunk's gradient set to None:
+        ``zero_grad()``) or ``"zeroed"`` (changed otherwise: ``zero_grad(set_to_none=False)`` zeroes in place)."""
+        if self._shown is None:
+            return None
+        zero, version, views = self._shown
+        if all(c.grad is None for c in self.chunks):
+            return "none"
+        if zero._version != version or any(c.grad is not v for c, v in zip(self.chunks, views)):
+            return "zeroed"
+        return None
+
+    def held_grads(self) -> Optional[torch.Tensor]:
+        """The gradient the optimizer holds now, over the whole shard (a copy; a chunk without one reads zeros), or
+        None when no chunk has one."""
+        if all(c.grad is None for c in self.chunks):
+            return None
+        out = torch.zeros(self.shard.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        for c, (i, j) in zip(self.chunks, self.ranges):
+            if c.grad is not None:
+                out[i:j].copy_(c.grad.reshape(-1))
+        return out
+
+    def toggled_off(self) -> bool:
+        """No chunk requires a gradient: Lightning's ``toggle_optimizer`` switched this optimizer's parameters off
+        (it sets ``requires_grad`` on what the optimizers' param groups hold: these chunks)."""
+        return bool(self.chunks) and not any(c.requires_grad for c in self.chunks)
 
     def leave_out(self, unused: set[int], opt_state: dict) -> bool:
         """Chunks of parameters without a gradient in this window get ``grad=None``; a chunk holding both kinds

@@ -35,7 +35,7 @@ from .plan import Owner, param_owners
 from .quant import check_quant
 from .spec import ShardSpec
 from .state import AccumulationPolicy, GradState
-from .sync import GradSync
+from .sync import GradSync, SyncState
 from .unit import Unit
 from .units import describe_plan, plan_units
 
@@ -57,13 +57,7 @@ class ShardEngine:
         self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
-        policy = AccumulationPolicy.parse(accumulation)
-        if policy is AccumulationPolicy.PER_MICRO_BATCH and not self.spec.frees_grads:
-            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2 or 3); stage {stage} "
-                             "holds full gradients anyway, so use accumulation='defer'.")
-        if policy is AccumulationPolicy.KEEP_PARAMS and not self.spec.shards_params:
-            raise ValueError(f"accumulation='keep_params' is about sharded parameters (stage 3); stage {stage} "
-                             "never frees its parameters: use accumulation='defer'.")
+        policy = self._parse_policy(accumulation)
         if not optimizers:
             raise ValueError("no optimizer to shard: configure_optimizers() returned nothing")
         self.module, self.stage, self.group, self.policy = module, stage, group, policy
@@ -158,7 +152,32 @@ class ShardEngine:
             self._hooks += mixed.cast_inputs(module, [p for b in self.buckets if b.cast for p in b.params],
                                              self.param_dtype)
         self.last_grad_norm: Optional[float] = None
+        self._switched: list[nn.Parameter] = []  # module parameters switched off for the backward in progress
         self._restored = False  # restore_source_dtype() ran
+
+    def _parse_policy(self, accumulation: str) -> AccumulationPolicy:
+        policy = AccumulationPolicy.parse(accumulation)
+        stage = self.spec.stage
+        if policy is AccumulationPolicy.PER_MICRO_BATCH and not self.spec.frees_grads:
+            raise ValueError(f"accumulation='per_micro_batch' needs sharded gradients (stage 2 or 3); stage {stage} "
+                             "holds full gradients anyway, so use accumulation='defer'.")
+        if policy is AccumulationPolicy.KEEP_PARAMS and not self.spec.shards_params:
+            raise ValueError(f"accumulation='keep_params' is about sharded parameters (stage 3); stage {stage} "
+                             "never frees its parameters: use accumulation='defer'.")
+        return policy
+
+    def set_policy(self, accumulation: str) -> None:
+        """The accumulation policy from the next window on (the accumulation changed between windows). Every
+        gradient bucket must be empty: the previous window has stepped."""
+        policy = self._parse_policy(accumulation)
+        busy = [b.index for b in self.sync.buckets if b.state is not GradState.EMPTY]
+        if busy or self.sync.state is not SyncState.IDLE:
+            raise RuntimeError(f"rank {self.rank}: the accumulation policy can change only between windows, but "
+                               f"bucket(s) {busy} still hold this window's gradients; change accumulate_grad_batches "
+                               "where a window ends (GradientAccumulationScheduler does: at an epoch's start)")
+        self.policy = self.sync.policy = policy
+        if self.controller is not None:
+            self.controller.keep_params = policy is AccumulationPolicy.KEEP_PARAMS
 
     # ------------------------------------------------------------------ health (health.py)
     def check_collective_sequence(self) -> None:
@@ -216,16 +235,8 @@ class ShardEngine:
     @phase
     def pre_backward(self) -> None:
         self.wait_params()
-        self.sync.begin()
-        for b in self.sync.buckets:
-            if b.state is GradState.REDUCED:
-                raise RuntimeError(
-                    f"rank {self.rank}: backward ran again after the gradients of bucket {b.index} ({b.names[0]}...) "
-                    "were reduced and before the optimizer stepped. Call optimizer.step() after the boundary "
-                    "backward, or wrap earlier micro-batches in "
-                    "strategy.block_backward_sync()/toggle_model(sync_grad=False) (Fabric: "
-                    "fabric.no_backward_sync(model, enabled=True))."
-                )
+        self.sync.begin(self._switch_off_toggled())
+        for b in self.sync.active:
             if self.spec.shards_params:  # parameters are sharded now: views attach when the unit is gathered
                 b.pending = len(b.params)
             elif self.spec.frees_grads and b.grad_buf is None:  # ZeRO-2: full gradients only while needed
@@ -243,6 +254,26 @@ class ShardEngine:
         if self.controller is not None:
             self.controller.end_backward()
         self.sync.end()
+        self._switch_on_toggled()
+
+    def _switch_off_toggled(self) -> list[Bucket]:
+        """Lightning's ``toggle_optimizer(opt)`` sets ``requires_grad=False`` on the other optimizers' parameters,
+        which here are shard chunks (:mod:`.optim`): their module parameters are switched off for this backward too
+        (autograd then accumulates nothing into them, as under DDP, where the forward left them out), and their
+        buckets keep their state. Returns the buckets this backward may give gradients to."""
+        self._switch_on_toggled()  # a backward that raised left them off
+        off = {id(b) for binding in self.bindings if binding.toggled_off() for b in binding.buckets}
+        if not off:
+            return self.sync.buckets
+        self._switched = [p for b in self.sync.buckets if id(b) in off for p in b.params if p.requires_grad]
+        for p in self._switched:
+            p.requires_grad_(False)
+        return [b for b in self.sync.buckets if id(b) not in off]
+
+    def _switch_on_toggled(self) -> None:
+        for p in self._switched:
+            p.requires_grad_(True)
+        self._switched = []
 
     # ------------------------------------------------------------------ optimizer step
     def binding_for(self, optimizer: torch.optim.Optimizer) -> OptimizerBinding:
@@ -255,9 +286,8 @@ class ShardEngine:
     @phase
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make sure this optimizer's shard gradients are final (reduces now if no boundary backward ran)."""
-        self.wait_params()
+        self.final_grads(optimizer)
         buckets = self.binding_for(optimizer).buckets
-        self.sync.reduce_now(buckets)
         for b in buckets:
             b.wait_offload()  # offload on CUDA: the gradient shards have reached host memory
         self._leave_out_unused(optimizer)
@@ -306,6 +336,8 @@ class ShardEngine:
         self.gathers.launch(buckets)
         for b in buckets:
             b.end_window()
+        if self.controller is not None:
+            self.controller.after_step()
         if self.broadcast_buffers and self.total_world > 1:
             buffers = [t for t in self.module.buffers() if t.is_floating_point() or t.dtype == torch.long]
             if buffers:
@@ -320,8 +352,15 @@ class ShardEngine:
     def _shard_grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         return [b.shard_param.grad for b in self.binding_for(optimizer).buckets if b.shard_param.grad is not None]
 
+    def final_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """This optimizer's shard gradients are final: what no boundary backward reduced is reduced now (manual
+        optimization clips with ``clip_gradients(opt, ...)`` before ``opt.step()``)."""
+        self.wait_params()
+        self.sync.reduce_now(self.binding_for(optimizer).buckets)
+
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over owned shard elements only (no padding, no replicas), one all-reduce."""
+        self.final_grads(optimizer)
         return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.group,
                                self.spec.reduce_scatters and self.world > 1, norm_type)
 
@@ -335,6 +374,7 @@ class ShardEngine:
         return total
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+        self.final_grads(optimizer)
         grads.clamp_values(self._shard_grads(optimizer), clip_value)
 
     def unscale_and_check(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:

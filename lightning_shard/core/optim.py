@@ -65,6 +65,12 @@ class OptimizerBinding:
         for gi, group in enumerate(self.optimizer.param_groups):
             group["params"] = [c for b in self.buckets for g, c in b.optimizer_view.grouped() if g == gi]
 
+    def toggled_off(self) -> bool:
+        """Lightning's ``toggle_optimizer`` switched this optimizer off (:meth:`.chunks.OptimizerChunks.toggled_off`
+        of every bucket that has chunks on this rank)."""
+        views = [b.optimizer_view for b in self.buckets if b.optimizer_view.chunks]
+        return bool(views) and all(v.toggled_off() for v in views)
+
     def orig_index(self) -> dict[int, int]:
         """``id(param) -> index`` in torch's state_dict numbering."""
         out, i = {}, 0

@@ -86,6 +86,10 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         self.events: list[tuple[str, int]] = []  # ("gather"|"prefetch"|"wait"|..., unit index), for tests
         self.record_events = False
         self.state = ControllerState.TRAINING
+        # inside a step whose backwards run in it (manual optimization: forwards, backwards and optimizer steps in one
+        # training_step): the step's units stay gathered between its backwards and are gathered again after an
+        # optimizer step, for the forwards that follow (step_pre_forward to step_post_forward)
+        self.in_step = False
         self._handles = []
         for u in units:
             if u.module is not None:
@@ -200,11 +204,13 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             u.reshard()
 
     # ------------------------------------------------------------------ the pass around a step
-    def step_pre_forward(self) -> None:
-        """Around the LightningModule's step (the root unit is not inside any module forward we can hook)."""
+    def step_pre_forward(self, backward_inside: bool = False) -> None:
+        """Around the LightningModule's step (the root unit is not inside any module forward we can hook).
+        ``backward_inside``: the step runs its own backwards and optimizer steps (manual optimization)."""
         if self.state is not ControllerState.TRAINING:
             return
         self.abort_pass()
+        self.in_step = backward_inside and torch.is_grad_enabled()
         p = _Pass(grad=torch.is_grad_enabled())
         if p.grad:
             for u in self.units:
@@ -224,13 +230,15 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         if self.state is not ControllerState.TRAINING:
             return
         self.end_pass()
+        backward_inside, self.in_step = self.in_step, False
         if not self.step_units:
+            return
+        if not torch.is_grad_enabled() or backward_inside:  # no backward follows
+            for u in self.step_units:
+                self._free(u)
             return
         for u in self.step_units:
             self._hook_backward(u, output)
-        if not torch.is_grad_enabled():  # no backward follows
-            for u in self.step_units:
-                self._free(u)
         # with gradients the step's units stay gathered: the loss's backward needs them first (an LM head), so
         # freeing them here would gather them again at once, with nothing allocated in between (FSDP2 keeps its root
         # too); backward frees them with the others (end_backward), the optimizer step at the latest (before_step)
@@ -258,6 +266,7 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
 
     def abort_pass(self) -> None:
         """A step raised: leave no guard installed (the error propagates)."""
+        self.in_step = False
         p, self._pass = self._pass, None
         if p is not None and p.guard is not None:
             p.guard.__exit__(None, None, None)
@@ -330,6 +339,14 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
             u.reshard()
             for b in u.buckets:
                 b.drop_secondary()
+
+    def after_step(self) -> None:
+        """The optimizer updated the shards. Inside a step that goes on (manual optimization) the step's units are
+        gathered again, updated, for the code that follows (every rank runs the same step code)."""
+        if self.in_step and self.state is ControllerState.TRAINING:
+            with self._quiet():
+                for u in self.step_units:
+                    self._materialize(u)
 
     @contextmanager
     def full_params(self) -> Iterator[None]:

@@ -69,7 +69,7 @@ class BackwardSchedule:
             for x in u.group:
                 x.wait()
                 for b in x.trainable:
-                    if b.pending:
+                    if b.pending and self.sync.is_active(b):
                         b.attach_grads()
                         b.pending = 0
                         self.sync.bucket_ready(b)
@@ -144,5 +144,5 @@ class BackwardSchedule:
             u.backward_prepared = False
             if u.state is ParamState.GATHERING:  # prefetched but never used in this backward
                 u.wait()
-            if not keep:
+            if not keep and not (self.in_step and u in self.step_units):  # (the step goes on: its code needs them)
                 u.reshard()

@@ -26,7 +26,9 @@ class ForwardHooks:
                     return
                 self._stack.append(unit)
                 p = self._pass
-                if p is None:  # a forward outside a step (no schedule): gather on demand
+                if p is None:  # a forward outside the step's pass (no schedule): gather on demand
+                    # (manual optimization: a forward after a backward of the same step; a backward may follow)
+                    unit.ran = unit.ran or torch.is_grad_enabled()
                     self._materialize(unit)
                 elif unit.index not in self._fpos:  # gathered with its host, used on its own here
                     self._unplanned(unit, "its module ran outside the unit it is gathered with")

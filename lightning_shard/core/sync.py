@@ -35,6 +35,8 @@ class GradSync:
     def __init__(self, buckets: list[Bucket], policy: AccumulationPolicy, overlap: bool,
                  reduce_dtype: Optional[torch.dtype]) -> None:
         self.buckets = buckets  # the trainable buckets, in launch order
+        self.active = buckets  # those the backward in progress may give gradients to (begin)
+        self._active_ids = {id(b) for b in buckets}
         self.policy, self.overlap, self.reduce_dtype = policy, overlap, reduce_dtype
         self.require_sync = True  # the next backward ends a window (False inside no_sync)
         self.state = SyncState.IDLE
@@ -59,13 +61,24 @@ class GradSync:
     def communicating(self) -> bool:
         return self.state in (SyncState.MICRO_BATCH, SyncState.BOUNDARY)
 
-    def begin(self) -> None:
-        """A backward starts: decide what it communicates."""
+    def begin(self, active: Optional[list[Bucket]] = None) -> None:
+        """A backward starts: decide what it communicates. ``active``: the buckets it may give gradients to (all but
+        those of an optimizer switched off by Lightning's ``toggle_optimizer``); the others keep their state."""
+        self.active = self.buckets if active is None else active
+        self._active_ids = {id(b) for b in self.active}
+        for b in self.active:
+            if b.state is GradState.REDUCED:
+                b.reopen()
+            else:
+                b.take_in_zero_grad()
         if self.require_sync:
             self.state = SyncState.BOUNDARY
         else:
             self.state = SyncState.MICRO_BATCH if self.policy is AccumulationPolicy.PER_MICRO_BATCH else SyncState.LOCAL
         self._next_launch = self._next_finish = 0
+
+    def is_active(self, bucket: Bucket) -> bool:
+        return id(bucket) in self._active_ids
 
     def bucket_ready(self, bucket: Bucket) -> None:
         """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
@@ -75,11 +88,11 @@ class GradSync:
     def reduce_rest(self) -> None:
         """Autograd is done: launch what is left and wait for every reduction of this backward."""
         if not self.communicating:
-            for b in self.buckets:
-                b.set_state(GradState.ACCUMULATING)
+            for b in self.active:
+                b.hold()
             return
         self._launch_in_order(force=True)
-        self._finish_up_to(len(self.buckets))
+        self._finish_up_to(len(self.active))
 
     def end(self) -> None:
         self.state = SyncState.IDLE
@@ -88,13 +101,14 @@ class GradSync:
         """Before a step: reduce, synchronously, the buckets whose gradients no boundary backward published."""
         accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
         for b in buckets:
+            b.take_in_zero_grad()
             if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
                 b.launch_reduce(self.reduce_dtype_for(b), async_op=False)
                 b.finish_reduce(True, accumulate)
 
     def _launch_in_order(self, force: bool) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
+        while self._next_launch < len(self.active):
+            b = self.active[self._next_launch]
             if not force and b.pending > 0:
                 return
             b.launch_reduce(self.reduce_dtype_for(b), async_op=True)
@@ -110,7 +124,7 @@ class GradSync:
         """Wait for the reductions of buckets ``[_next_finish, end)``, in bucket order, and fold them in."""
         accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
         while self._next_finish < end:
-            self.buckets[self._next_finish].finish_reduce(self.boundary, accumulate)
+            self.active[self._next_finish].finish_reduce(self.boundary, accumulate)
             self._next_finish += 1
 
     def reduce_dtype_for(self, b: Bucket) -> torch.dtype:

@@ -60,6 +60,7 @@ class EngineAdapter:
         self.engine: Optional[ShardEngine] = None
         self.accumulation_policy: Optional[str] = None
         self.accumulation_reason: str = ""
+        self._policy_inputs: Optional[tuple] = None  # what accumulation="auto" weighs, measured once per fit
         return {k: lightning.get(k) for k in self.LIGHTNING_ARGS}
 
     # ------------------------------------------------------------------ the devices (both hosts' ParallelStrategy)
@@ -124,19 +125,24 @@ class EngineAdapter:
 
     # ------------------------------------------------------------------ the engine
     def _accumulation(self, module: torch.nn.Module, accumulate: int) -> tuple[str, str]:
-        """``accumulation="auto"``: the planner's rule (memory budget first, then link speed)."""
+        """``accumulation="auto"``: the planner's rule (memory budget first, then link speed). What it weighs (the
+        gradient bytes, free device memory, the ring) is measured once per fit, before the engine shards the module,
+        so that a later call for another accumulation (``GradientAccumulationScheduler``) decides as a run started
+        with it would have."""
         if self.accumulation != "auto":
             return self.accumulation, "set explicitly"
         from ..planner import auto_policy
 
-        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else None
-        ring = None
-        if self.topology_spec is not None:
-            topology = resolve_topology(self.topology_spec, self.num_processes)
-            if topology.devices_per_node >= self.num_processes > 1:  # the ring this job's ranks form
-                ring = topology.ring(list(range(self.num_processes)))[0]
-        return auto_policy(self.stage, accumulate, grad_bytes, free, ring)
+        if getattr(self, "_policy_inputs", None) is None:
+            grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else None
+            ring = None
+            if self.topology_spec is not None:
+                topology = resolve_topology(self.topology_spec, self.num_processes)
+                if topology.devices_per_node >= self.num_processes > 1:  # the ring this job's ranks form
+                    ring = topology.ring(list(range(self.num_processes)))[0]
+            self._policy_inputs = (grad_bytes, free, ring)
+        return auto_policy(self.stage, accumulate, *self._policy_inputs)
 
     def _unit_config(self) -> Optional[UnitConfig]:
         granularity = getattr(self, "granularity", self.GRANULARITY)  # strategy=auto sets its own

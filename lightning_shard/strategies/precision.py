@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from ..core.scaler import LossScaler
@@ -65,6 +66,10 @@ def sharded_step(engine: "ShardEngine", optimizer: Any, loss_scaler: Optional[Lo
     if loss_scaler is not None:
         loss_scaler.update(False)
     return "stepped"
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class ShardedPrecision(Precision):
@@ -128,11 +133,12 @@ class ShardedPrecision(Precision):
             self.skipped_steps += 1
         return closure_result
 
+    # ``LightningModule.clip_gradients(opt, ...)`` in manual optimization passes the ``LightningOptimizer`` wrapper
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self.engine.clip_grad_norm_(optimizer, clip_val)
+        self.engine.clip_grad_norm_(_unwrapped(optimizer), clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self.engine.clip_grad_value_(optimizer, clip_val)
+        self.engine.clip_grad_value_(_unwrapped(optimizer), clip_val)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}

@@ -60,6 +60,7 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         self._num_nodes = 1
         self._masters_from_checkpoint: dict[str, torch.Tensor] = {}
         self._checkpointing: Optional[activation.ActivationCheckpointing] = None
+        self._accumulate = 1  # the accumulate_grad_batches the accumulation policy was resolved for
 
     # ------------------------------------------------------------------ Lightning surface
     @property
@@ -110,6 +111,8 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._checkpoint_activations()
+            self._policy_inputs = None  # measured again for this fit's model and device
+            self._accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
             policy, reason = self._resolve_accumulation(trainer)
             self.accumulation_policy, self.accumulation_reason = policy, reason
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
@@ -172,6 +175,25 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ gradient sync
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._follow_accumulation()
+
+    def _follow_accumulation(self) -> None:
+        """``accumulate_grad_batches`` changed (``GradientAccumulationScheduler`` sets it at an epoch's start, where
+        windows start afresh): the policy becomes the one a run started with the new value would have, logged."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        if self.engine is None or trainer is None or accumulate == self._accumulate:
+            return
+        previous, self._accumulate = self._accumulate, accumulate
+        policy, reason = self._resolve_accumulation(trainer)
+        if policy != self.accumulation_policy:
+            self.engine.set_policy(policy)
+            self.accumulation_policy, self.accumulation_reason = policy, reason
+            rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulate_grad_batches {previous} -> "
+                           f"{accumulate} at epoch {trainer.current_epoch}: accumulation={policy} ({reason})")
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         if self.engine is None:

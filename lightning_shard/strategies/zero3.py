@@ -99,7 +99,8 @@ class Zero3Strategy(ZeroStrategy):
         controller = self.engine.controller if self.engine is not None else None
         if controller is None:
             return step(*args, **kwargs)
-        controller.step_pre_forward()
+        module = self.lightning_module
+        controller.step_pre_forward(backward_inside=module is not None and not module.automatic_optimization)
         try:
             out = step(*args, **kwargs)
         except BaseException:
