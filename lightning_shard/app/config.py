@@ -35,7 +35,10 @@ _CHECKED_SECTIONS = ("strategy", "recipe", "trainer", "topology")
 
 def _topo_resolver(fact: str, *, _root_: DictConfig) -> Any:
     node = OmegaConf.to_container(_root_.topology, resolve=True)
-    return topology_fact(node, fact)
+    try:
+        return topology_fact(node, fact)
+    except ValueError as err:  # a topology key's value: named as such, not as the trainer key interpolating it
+        raise ConfigError(str(err)) from err
 
 
 def register() -> None:

@@ -45,7 +45,7 @@ def _merged(node: Mapping[str, Any]) -> dict[str, Any]:
 @lru_cache(maxsize=64)
 def _topology(frozen: tuple) -> Topology:
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in frozen}
-    return build_preset(cfg, source=f"topology={cfg.get('name')}")
+    return build_preset(cfg, source=f"topology={cfg.get('name')}", prefix="topology.")
 
 
 def topology_from_node(node: Mapping[str, Any]) -> Topology:

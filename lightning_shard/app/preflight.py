@@ -38,6 +38,9 @@ def explain(err: BaseException, overrides: Sequence[str]) -> str:
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    for e in chain:  # ours, raised inside Hydra (the ls.topo resolver): it names the key already
+        if isinstance(e, ConfigError):
+            return str(e)
     for e in chain:
         if isinstance(e, MissingConfigException):
             missing = (e.missing_cfg_file or "").strip("/")

@@ -25,7 +25,14 @@ from typing import Any
 import yaml
 
 from lightning_shard.topology.formats import ROCM, parse_rocm_smi, sniff
-from lightning_shard.topology.links import Fabric, LinkClass, fabric_for_models
+from lightning_shard.topology.links import (
+    NETWORK_GBPS_PER_NIC,
+    NVLINK_GBPS_PER_LINK,
+    PCIE_X16_GBPS,
+    Fabric,
+    LinkClass,
+    fabric_for_models,
+)
 from lightning_shard.topology.model import Device, Topology
 from lightning_shard.topology.parse import clean, parse_topo
 
@@ -84,11 +91,36 @@ def load_preset(name: str, directory: Path | None = None, **overrides: Any) -> T
     return build_preset(cfg, source=f"conf/topology/{name}.yaml")
 
 
-def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
+def check_keys(cfg: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Every key of a preset (or of a composed ``topology`` node: ``prefix="topology."``) holds a value it can take;
+    an error names the key, the value and the choices."""
+    def bad(key: str, problem: str) -> ValueError:
+        return ValueError(f"{source}: {prefix}{key}={cfg[key]!r}: {problem}")
+
+    unknown = sorted(set(cfg) - _KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(prefix + k for k in unknown)}; a topology knows "
+                         f"{', '.join(sorted(_KEYS))}")
+    choices = {"kind": ["gpu", "cpu"], "network": sorted(NETWORK_GBPS_PER_NIC),
+               "nvlink_gen": sorted(NVLINK_GBPS_PER_LINK), "pcie_gen": sorted(PCIE_X16_GBPS)}
+    for key, options in choices.items():
+        if cfg.get(key) is not None and cfg[key] not in options:
+            raise bad(key, f"not one of the choices: {', '.join(map(str, options))}")
+    for key in ("devices", "nodes", "nics_per_node"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad(key, "must be a whole number >= 1")
+    if cfg.get("expect_nvlink") is not None and not isinstance(cfg["expect_nvlink"], bool):
+        raise bad("expect_nvlink", "must be true or false")
+    if "devices" not in cfg:
+        raise ValueError(f"{source}: {prefix}devices is missing (the number of devices per node)")
+
+
+def build_preset(cfg: dict[str, Any], source: str = "<preset>", prefix: str = "") -> Topology:
+    """``prefix``: how the keys are named where the user typed them (``"topology."`` on the train command)."""
+    check_keys(cfg, source, prefix)
     name = cfg.get("name", "preset")
-    n = int(cfg.get("devices", 0))
-    if n < 1:
-        raise ValueError(f"{source}: devices must be >= 1, got {cfg.get('devices')!r}")
+    n = int(cfg["devices"])
     if ("uniform" in cfg) == ("matrix" in cfg):
         raise ValueError(f"{source}: give exactly one of `uniform` (one cell for every pair) "
                          "or `matrix` (rows of cells)")
@@ -101,17 +133,22 @@ def build_preset(cfg: dict[str, Any], source: str = "<preset>") -> Topology:
                              f"{[len(r) for r in tokens]} cells")
     numa = cfg.get("numa") or [None] * n
     if len(numa) != n:
-        raise ValueError(f"{source}: numa lists {len(numa)} entries for {n} devices")
+        raise ValueError(f"{source}: {prefix}numa lists {len(numa)} entries for {n} devices ({prefix}devices={n})")
     kind = cfg.get("kind", "gpu")
-    prefix = "CPU" if kind == "cpu" else "GPU"
-    devices = [Device(index=i, name=f"{prefix}{i}", local_index=i, kind=kind, model=cfg.get("model"), numa=numa[i])
+    label = "CPU" if kind == "cpu" else "GPU"
+    devices = [Device(index=i, name=f"{label}{i}", local_index=i, kind=kind, model=cfg.get("model"), numa=numa[i])
                for i in range(n)]
     # generations not given follow the model (H100 / H200: PCIe Gen5, A100: Gen4, V100: Gen3), else the defaults
     fabric = fabric_for_models([cfg.get("model")], _int_or_none(cfg.get("nvlink_gen")),
                                _int_or_none(cfg.get("pcie_gen")),
                                network=cfg.get("network", "ib_ndr"), nics_per_node=int(cfg.get("nics_per_node", 8)))
-    topo = Topology.from_tokens(name, tokens, devices, fabric, bool(cfg.get("expect_nvlink", False)), source,
-                                extra_tokens=_EXTRA_TOKENS)
+    try:
+        topo = Topology.from_tokens(name, tokens, devices, fabric, bool(cfg.get("expect_nvlink", False)), source,
+                                    extra_tokens=_EXTRA_TOKENS)
+    except ValueError as err:  # a cell the parser cannot read: name the key it came from
+        key = "uniform" if "uniform" in cfg else "matrix"
+        raise ValueError(f"{source}: {prefix}{key}={cfg[key]!r}: {err}; a cell is a `nvidia-smi topo -m` link token "
+                         f"(NV<n>, PIX, PXB, PHB, NODE, SYS) or {', '.join(sorted(_EXTRA_TOKENS))}") from err
     nodes = int(cfg.get("nodes", 1))
     if nodes > 1:
         topo = topo.replicate_nodes(nodes)

@@ -49,6 +49,16 @@ from lightning_shard.train import preflight, sweep_combinations
     (["+trainer.max_stpes=3"], ["trainer.max_stpes: not a keyword of lightning.Trainer", "did you mean 'max_steps'"]),
     # resuming with nothing to resume from
     (["ckpt_path=/nonexistent/run"], ["ckpt_path=/nonexistent/run: no such checkpoint or run folder"]),
+    # a topology key's value: the key, the value and the choices (not the trainer key that interpolates it)
+    (["topology=cpu", "topology.network=eth"], ["topology.network='eth'", "ib_ndr, roce_200g"]),
+    (["topology=cpu", "topology.nvlink_gen=9"], ["topology.nvlink_gen=9", "1, 2, 3, 4, 5"]),
+    (["topology=cpu", "topology.pcie_gen=7"], ["topology.pcie_gen=7", "3, 4, 5"]),
+    (["topology=cpu", "topology.kind=tpu"], ["topology.kind='tpu'", "gpu, cpu"]),
+    (["topology=cpu", "topology.devices=0"], ["topology.devices=0", "whole number >= 1"]),
+    (["topology=hgx_h100_2nodes_ib", "topology.nodes=0"], ["topology.nodes=0", "whole number >= 1"]),
+    (["topology=hgx_h100_2nodes_ib", "topology.nics_per_node=0"], ["topology.nics_per_node=0", ">= 1"]),
+    (["topology=cpu", "topology.uniform=NVX"], ["topology.uniform='NVX'", "NV<n>, PIX"]),
+    (["topology=cpu", "topology.numa=[0]"], ["topology.numa lists 1 entries for 2 devices"]),
 ])
 def test_bad_input_names_the_key_and_the_fix(argv, expected):
     message = preflight(argv)

@@ -143,7 +143,7 @@ def test_subset_and_nodes():
         ({"name": "x", "devices": 2, "uniform": "NV4", "numa": [0]}, "numa lists 1 entries"),
         ({"name": "x", "devices": 2, "uniform": "FOO"}, "not a link token"),
         ({"name": "x", "devices": 2, "uniform": "NV4", "pcie_gen": 7}, "pcie_gen=7"),
-        ({"name": "x", "devices": 0, "uniform": "NV4"}, "devices must be >= 1"),
+        ({"name": "x", "devices": 0, "uniform": "NV4"}, "devices=0: must be a whole number >= 1"),
     ],
 )
 def test_bad_presets(cfg, words):
