@@ -168,24 +168,24 @@ class GanModule(L.LightningModule):
             opt_g.zero_grad()
 
     def _zero_grad_held(self, real, z, opt_g, opt_d, i) -> None:
-        """Windows of 2 with the first backward of each unsynced (the strategy's block_backward_sync, which
-        toggle_model(sync_grad=False) enters, without its toggling): both backwards reach both networks, so each
-        zero_grad() meets gradients still held unreduced in the middle of a window, and drops them. G zeroes in
-        place (set_to_none=False: its parameters keep stepping with zero gradients, momentum and all)."""
-        step = (i + 1) % self.acc == 0
-        sync = contextlib.nullcontext() if step else self.trainer.strategy.block_backward_sync()
-        with sync:
+        """Windows of 2 whose first micro-batch is not synced (the strategy's block_backward_sync, which
+        toggle_model(sync_grad=False) enters, without its toggling). G's backward reaches D, and D's window starts
+        after it with ``opt_d.zero_grad()``: that meets D's gradients held unreduced and drops them (by setting
+        None in even windows, by zeroing in place in odd ones: set_to_none=False keeps the parameters stepping
+        with zero gradients, as torch does). D's backward reaches G, whose window keeps it."""
+        step, first = (i + 1) % self.acc == 0, i % self.acc == 0
+        sync = (lambda: contextlib.nullcontext()) if step else self.trainer.strategy.block_backward_sync
+        with sync():
+            self.manual_backward(self._g_loss(self.gen(z)) / self.acc)
+        if first:
+            opt_d.zero_grad(set_to_none=(i // self.acc) % 2 == 0)
+        with sync():
             self.manual_backward(self._d_loss(real, self.gen(z)) / self.acc)
         if step:
-            opt_d.step()
-            opt_d.zero_grad()
-        opt_g.zero_grad(set_to_none=False)
-        sync = contextlib.nullcontext() if step else self.trainer.strategy.block_backward_sync()
-        with sync:
-            self.manual_backward(self._g_loss(self.gen(z)) / self.acc)
-        if step:
             opt_g.step()
-            opt_g.zero_grad(set_to_none=False)
+            opt_d.step()
+            opt_g.zero_grad()
+            opt_d.zero_grad()
 
     def _clip(self, real, z, opt_g, opt_d, i) -> None:  # clipping by hand, by norm (D) and by value (G)
         opt_d.zero_grad()
