@@ -21,6 +21,8 @@ import lightning as L
 import pytest
 import torch
 
+from tests.optional import missing
+
 ROOT = Path(__file__).resolve().parents[2]
 SWEPT = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
 # gpt_test, as conf/recipe/gpt_test.yaml: 4 optimizer steps, validation every 2 (so the last one is at step 4)
@@ -167,7 +169,7 @@ def test_command_matches_a_direct_python_fit(sweep, name):
 def test_console_command_reports_bad_input_before_launch():
     exe = Path(sys.executable).with_name("lightning-shard")
     if not exe.exists():
-        pytest.skip("console script not installed (pip install -e .)")
+        missing("the console script lightning-shard", "pip install -e .")
     proc = subprocess.run([str(exe), "train", "recipe=gpt_test", "recipe.micro_batch_size=8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -25,6 +25,7 @@ from lightning_shard.app.launch import topology_fact, topology_from_node
 from lightning_shard.batching import derive_accumulation
 from lightning_shard.strategies import REGISTERED
 from lightning_shard.train import REQUIRED_KEYS, build_callbacks, build_loggers, build_trainer_kwargs, check_config
+from tests.optional import require
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -36,8 +37,6 @@ def _options(group: str) -> list[str]:
 STRATEGIES, TOPOLOGIES, RECIPES = _options("strategy"), _options("topology"), _options("recipe")
 TRAINERS, LOGGERS, CALLBACKS, EXPERIMENTS = (_options(g) for g in ("trainer", "logger", "callbacks", "experiment"))
 HYBRID = {s for s in STRATEGIES if s.endswith("_hybrid")}
-HAS_TRANSFORMERS = __import__("importlib").util.find_spec("transformers") is not None
-HAS_SKLEARN = __import__("importlib").util.find_spec("sklearn") is not None
 
 
 def _compose(overrides: list[str], hydra_config: bool = False):
@@ -134,10 +133,10 @@ def test_topology_presets_build(topology):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipes_instantiate_and_state_hardware_and_result(recipe):
-    if recipe.startswith("hf_") and not HAS_TRANSFORMERS:
-        pytest.skip("transformers not installed (pip install -e '.[hf]')")
-    if recipe == "digits" and not HAS_SKLEARN:
-        pytest.skip("scikit-learn not installed (pip install -e '.[digits]')")
+    if recipe.startswith("hf_"):
+        require("transformers", "hf")
+    if recipe == "digits":
+        require("sklearn", "digits")
     cfg = _compose([f"recipe={recipe}"])
     assert cfg.recipe.hardware != "?" and cfg.recipe.expected != "?", "a recipe states its hardware and result"
     assert cfg.recipe.name == recipe
@@ -166,7 +165,7 @@ def _with_output_dir(tmp_path, overrides):
 @pytest.mark.parametrize("logger", LOGGERS)
 def test_logger_configs_instantiate(logger, tmp_path):
     if logger == "tensorboard":
-        pytest.importorskip("tensorboard")
+        require("tensorboard", "tensorboard")
     cfg = _with_output_dir(tmp_path, [f"logger={logger}"])
     loggers = build_loggers(cfg)
     assert len(loggers) == {"none": 0, "csv": 1, "tensorboard": 2}[logger]

@@ -11,8 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from tests.optional import require
+
+require("transformers", "hf")
+require("peft", "hf")
 
 CFG = dict(model_type="gpt2", vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2)
 LORA = {"r": 4, "alpha": 8, "targets": "auto"}

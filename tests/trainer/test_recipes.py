@@ -12,6 +12,7 @@ from torch.utils.data import RandomSampler
 from lightning_shard.callbacks import CommSummary
 from recipes.corpus import StdlibTextDataModule, WindowDataset, is_validation_file, load_stdlib_corpus
 from recipes.gpt import GPT, GPTLightningModule, warmup_cosine
+from tests.optional import require
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -164,7 +165,7 @@ def test_synthetic_tokens_are_fixed_and_deterministic():
 
 
 def test_peft_lora_starts_at_the_base_model_and_trains_only_adapters():
-    pytest.importorskip("peft")
+    require("peft", "hf")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from recipes.hf_causal_lm import apply_peft_lora
@@ -183,7 +184,7 @@ def test_peft_lora_starts_at_the_base_model_and_trains_only_adapters():
 
 
 def test_digits_split_is_stratified_and_deterministic():
-    pytest.importorskip("sklearn")
+    require("sklearn", "digits")
     from recipes.digits import DigitsDataModule
 
     a, b = DigitsDataModule(micro_batch_size=16), DigitsDataModule(micro_batch_size=16)
@@ -194,7 +195,7 @@ def test_digits_split_is_stratified_and_deterministic():
 
 
 def test_hf_tiny_llama_lora_fit_lowers_the_loss():
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     from recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
 
     torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_shard.core.plan import bucketed_trainable, flat_buckets
+from tests.optional import require
 
 
 class Deep(nn.Module):
@@ -79,7 +80,7 @@ def test_one_group_keeps_the_plain_size_rule():
 
 
 def _gpt2(n_layer: int, n_embd: int, vocab: int, n_positions: int) -> nn.Module:
-    transformers = __import__("pytest").importorskip("transformers")
+    transformers = require("transformers", "hf")
     cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_embd // 64, vocab_size=vocab,
                                   n_positions=n_positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     return transformers.GPT2LMHeadModel(cfg)

@@ -28,6 +28,7 @@ from lightning_shard.planner.config import Job, StrategyConfig
 from lightning_shard.planner.layout import groups_of, plan_layout
 from lightning_shard.planner.memory import optimizer_temporaries, peak_bytes
 from lightning_shard.planner.stats import TransformerShape, activation_bytes, transformer_shape
+from tests.optional import require
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = dict(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
@@ -200,7 +201,7 @@ def test_activations_of_hf_gpt2_at_the_start_of_backward():
     (97.5 MiB); 223.5 MiB in all (the profiler's live allocations at LogSoftmaxBackward: 223.6 MiB)."""
     shape = TransformerShape(layers=6, hidden=384, heads=6, seq=128, vocab=16384, mlp_act_saved=3)
     assert activation_bytes(shape, 4, act_bytes=4) == 6 * 22_020_096 + 102_236_160
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     cfg = transformers.GPT2Config(n_layer=6, n_embd=384, n_head=6, vocab_size=16384, n_positions=128,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     with torch.device("meta"):
