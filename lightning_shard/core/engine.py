@@ -334,6 +334,10 @@ class ShardEngine:
             self.check_collective_sequence()
         buckets = self.binding_for(optimizer).buckets
         self.gathers.launch(buckets)
+        # the module's parameters changed where autograd cannot see it (the optimizer stepped shard chunks): a graph
+        # built before this step and backwarded after it (retain_graph=True) is refused as torch refuses it for a
+        # parameter updated in place (DDP raises the same), instead of differentiating through the new values
+        torch.autograd.graph.increment_version([p for b in buckets for p in b.params])
         for b in buckets:
             b.end_window()
         if self.controller is not None:

@@ -123,6 +123,24 @@ class EngineAdapter:
         with controller.full_params():
             yield
 
+    # ------------------------------------------------------------------ the backward
+    @contextmanager
+    def explained_backward(self) -> Generator[None, None, None]:
+        """torch's error for a backward through a graph whose parameters were changed in place, with what it means
+        here: an optimizer step ran between the forward and this backward (``ShardEngine.finish_step`` marks the
+        stepped parameters as modified, as torch's own in-place update does under DDP)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if "modified by an inplace operation" not in str(err):
+                raise
+            raise RuntimeError(
+                f"rank {C.get_rank()}: this backward runs through a graph built before an optimizer step updated "
+                "parameters it uses (manual optimization: manual_backward(..., retain_graph=True), opt.step(), then "
+                "another backward through the same graph); torch and DDP refuse it too, since the gradient would be "
+                "taken at the old weights with the new values. Run the forward again after opt.step(), or step "
+                f"after the last backward through that graph. torch: {err}") from err
+
     # ------------------------------------------------------------------ the engine
     def _accumulation(self, module: torch.nn.Module, accumulate: int) -> tuple[str, str]:
         """``accumulation="auto"``: the planner's rule (memory budget first, then link speed). What it weighs (the

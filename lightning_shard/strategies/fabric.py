@@ -280,7 +280,8 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         if self._loss_scaler is not None:
             tensor = tensor * self._loss_scaler.scale
         self.precision.pre_backward(tensor, module)
-        self.precision.backward(tensor, module, *args, **kwargs)
+        with self.explained_backward():
+            self.precision.backward(tensor, module, *args, **kwargs)
         engine.post_backward()
         self.precision.post_backward(tensor, module)
 

@@ -208,7 +208,8 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         if self.engine is not None:
             self.engine.pre_backward()
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        with self.explained_backward():
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self.engine is not None:
             self.engine.post_backward()
         return self.precision_plugin.post_backward(closure_loss, module)

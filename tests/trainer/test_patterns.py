@@ -48,6 +48,19 @@ def test_pattern_gives_ddp_weights_hybrid(worlds, pattern):
     assert_parity(worlds(4).run(fit_pattern, "zero3_hybrid", pattern)[0], ddp(worlds(4), pattern))
 
 
+@pytest.mark.parametrize("strategy", ["ddp"] + STRATEGIES)
+def test_backward_through_a_graph_from_before_the_step_is_refused_as_under_ddp(worlds, strategy):
+    """``manual_backward(loss, retain_graph=True)``, ``opt.step()``, then ``manual_backward(loss)`` again: the
+    gradient would be taken through weights the step changed. torch refuses it under DDP (the parameters were updated
+    in place); our optimizer steps shard views autograd cannot see, so the engine marks the stepped parameters as
+    modified: the same refusal at the first step, with what it means and the way out."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as err:
+        worlds(2).run(fit_pattern, strategy, "stale_graph")
+    if strategy != "ddp":
+        assert "graph built before an optimizer step" in str(err.value)
+        assert "Run the forward again after opt.step()" in str(err.value)
+
+
 def grad_reductions(batch: dict) -> int:
     return batch["grad"]["grad"]
 
