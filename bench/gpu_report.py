@@ -57,9 +57,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def parity_md(sec: dict[str, Any], cpu: bool) -> list[str]:
     lines = ["Weights after 5 optimizer steps x 2 micro-batches (`module.state_dict()` after `fit`) against plain "
-             "single-device Lightning on the same data, max |difference| (bound: fp32 1e-5; bf16 2^-6 = 0.0156, "
-             "two bf16 ulps at |w| = 1, plus plain Lightning's own distance from its fp32 run); bf16 also against the "
-             "plain fp32 run (bound: 1.25 x plain Lightning's own distance + 1e-3). Resume: "
+             "single-device Lightning on the same data, max |difference| (bound, with GAP = plain Lightning's own "
+             "distance from its fp32 run: fp32 1e-5; bf16-mixed GAP / 2, as an fp32 run posing as bf16 sits GAP away; "
+             "bf16-true 2.25 GAP + 1e-3, the triangle through the fp32 run, as plain keeps no fp32 masters); bf16 also "
+             "against the plain fp32 run (bound: 1.25 GAP + 1e-3; and at least GAP / 4 with plain's dtypes: the run "
+             "computed in bf16, not fp32). Resume: "
              "checkpoint at step 3, a new Trainer to step 5 (vs plain: parity bound; vs the uninterrupted run: fp32 "
              "1e-6, bf16 1e-4). Consolidate: `lightning-shard consolidate` of the step-3 checkpoint, loaded strictly "
              "into the bare model, vs plain Lightning at step 3.", "",

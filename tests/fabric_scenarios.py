@@ -86,14 +86,19 @@ def _model(model: str) -> nn.Module:
 def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "adam",
               clip: Optional[float] = None, bf16_autocast: bool = False,
               epoch_steps: Optional[int] = None,
-              discard_first: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+              discard_first: bool = False, precision: str = "32-true") -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, plain torch: the same global batch per optimizer step (every rank's micro-batches);
     ``bf16_autocast``: forward and loss under CPU bf16 autocast, as Fabric's ``"bf16-mixed"``; ``epoch_steps``: the
     data holds that many steps and is run again each epoch (as a Trainer with a longer ``max_steps`` does);
     ``discard_first``: every rank's first micro-batch of every window is thrown away (``zero_grad(set_to_none=True)``
-    after the backward of the last of them)."""
+    after the backward of the last of them); ``precision``: ``"16-mixed"`` or ``"bf16-true"``, see
+    :func:`half_reference`."""
     from contextlib import nullcontext
 
+    if precision != "32-true":
+        if bf16_autocast or epoch_steps or discard_first:
+            raise ValueError("a half-precision reference takes only model, steps, acc, world, optimizer and clip")
+        return half_reference(model, steps, acc, world, precision, optimizer, clip)
     L.seed_everything(0, verbose=False)
     net = _model(model)
     opt = _optimizer(net, optimizer)
@@ -115,6 +120,78 @@ def reference(model: str, steps: int, acc: int, world: int, optimizer: str = "ad
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, norms
 
 
+LOSS_SCALE = 2.0**16  # fp16: the loss scale a scaler starts at (torch's GradScaler and ours); no overflow here
+
+
+def half_reference(model: str, steps: int, acc: int, world: int, precision: str, optimizer: str = "adam",
+                   clip: Optional[float] = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, plain torch, in half precision as a user reads Fabric's promise, without the engine: forward and
+    loss under Lightning's own plugin's ``forward_context()`` (``"16-mixed"``: CPU fp16 autocast; ``"bf16-true"``:
+    bf16 default dtype), on the same global batch per step.
+
+    * ``"16-mixed"``: fp32 weights; each micro-batch's loss / (acc x world) is scaled by :data:`LOSS_SCALE` before
+      its backward (so that fp16 activation gradients do not underflow) and the summed gradients are unscaled before
+      clipping and the step.
+    * ``"bf16-true"``: the model created in bf16 (the plugin's ``module_init_context()``, as ``fabric.init_module()``
+      does), its fp32 masters stepped by the optimizer; each rank's micro-batches run forward and backward on
+      its own bf16 copy of the masters (``.to(bfloat16)``, round to nearest), the bf16 gradient accumulating in bf16
+      over the rank's micro-batches (one autograd buffer); the ranks' gradients are cast to fp32, summed and divided by
+      the world size. ``state_dict()``: the fp32 masters."""
+    if precision not in ("16-mixed", "bf16-true"):
+        raise ValueError(f"no half-precision reference for {precision!r}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: a half-precision kernel's rounding depends on its thread split
+    try:
+        return _half_reference(model, steps, acc, world, precision, optimizer, clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _half_reference(model: str, steps: int, acc: int, world: int, precision: str, optimizer: str,
+                    clip: Optional[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    import copy
+
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu") if precision == "16-mixed" else HalfPrecision("bf16-true")
+    L.seed_everything(0, verbose=False)
+    if precision == "bf16-true":  # created in bf16 as under fabric.init_module(); the masters start from those values
+        with plugin.module_init_context():
+            net = _model(model)
+        net = net.float()
+    else:
+        net = _model(model)
+    opt = _optimizer(net, optimizer)
+    data = dataset(steps, acc, world, "tiny_lm")
+    batches = list(DataLoader(data, batch_size=4, shuffle=False))  # global micro-batch j: rank j % world
+    n, norms = acc * world, []
+    params = list(net.parameters())
+    for step in range(steps):
+        window = batches[step * n:(step + 1) * n]
+        if precision == "16-mixed":
+            for i, (tokens,) in enumerate(window):
+                with plugin.forward_context():
+                    loss = _loss(net, tokens, step * n + i)
+                (loss / n * LOSS_SCALE).backward()
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(LOSS_SCALE)
+        else:
+            copies = [copy.deepcopy(net).to(torch.bfloat16) for _ in range(world)]
+            for i, (tokens,) in enumerate(window):
+                with plugin.forward_context():
+                    loss = _loss(copies[i % world], tokens, step * n + i)
+                (loss / acc).backward()
+            for p, *half in zip(params, *(c.parameters() for c in copies)):
+                grads = [h.grad.float() for h in half if h.grad is not None]
+                p.grad = sum(grads) / world if grads else None
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, norms
+
+
 def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", optimizer: str = "adam",
                clip: Optional[float] = None, precision: str = "32-true", knobs: Optional[dict] = None,
                save_to: Optional[str] = None, save_step: Optional[int] = None, load_from: Optional[str] = None,
@@ -129,7 +206,12 @@ def fabric_fit(strategy: Any, acc: int, steps: int, model: str = "tiny_lm", opti
         from lightning_shard.strategies import FABRIC_CLASSES
 
         strategy = FABRIC_CLASSES[strategy](**knobs)
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
+    if precision == "16-mixed":  # the string falls back to bf16-mixed on CPU (Fabric's connector); the plugin itself
+        from lightning.fabric.plugins.precision import MixedPrecision  # runs fp16 autocast there
+
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, plugins=MixedPrecision("16-mixed", "cpu"))
+    else:
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
     fabric.launch()
     L.seed_everything(0, verbose=False)
     with fabric.init_module(empty_init=empty_init):

@@ -52,7 +52,7 @@ def test_cpu_mode_runs_every_phase_and_passes_with_real_numbers(tmp_path):
             assert _real(r[key]), (r, key)
         assert r["parity"] <= (1e-5 if r["precision"] == "32-true" else r["bound"])
     names = {c["name"] for c in doc["phases"]["parity"]["checks"]}
-    kinds = ("parity", "accuracy", "resume", "resume_exact", "consolidate")
+    kinds = ("parity", "accuracy", "computed", "computed_dtype", "resume", "resume_exact", "consolidate")
     assert {f"{k}/gpt/bf16-true/zero3" for k in kinds} <= names
 
     w2 = doc["phases"]["world2"]
