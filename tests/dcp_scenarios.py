@@ -10,6 +10,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from tests.scenarios import ResumePoint
 from tests.zoo import RankMicroBatches, TinyLMModule, dataset
 
 
@@ -36,8 +37,10 @@ def fit_fsdp2(steps: int, acc: int, data_steps: Optional[int] = None, ckpt_dir: 
     module = FSDP2TinyLM(optimizer="adam")
     strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo",
                                      save_distributed_checkpoint=True)
-    callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] \
-        if ckpt_dir else []
+    point = ResumePoint()
+    callbacks: list[L.Callback] = [point]
+    if ckpt_dir:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                         accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
@@ -46,7 +49,8 @@ def fit_fsdp2(steps: int, acc: int, data_steps: Optional[int] = None, ckpt_dir: 
     trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
                 ckpt_path=resume_from)
     full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return {"state": {k: v.detach().clone() for k, v in full.items()}, "global_step": trainer.global_step}
+    return {"state": {k: v.detach().clone() for k, v in full.items()}, "global_step": trainer.global_step,
+            "first": point.first, "steps_taken": point.steps_taken}
 
 
 

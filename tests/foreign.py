@@ -395,11 +395,12 @@ class ModuleCalls(L.Callback):
 
 def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str = "sgd",
                 strategy_kwargs: Optional[dict] = None, count_calls: Optional[str] = None,
-                with_optimizer: bool = False) -> dict[str, Any]:
+                with_optimizer: bool = False, callbacks: Optional[list] = None) -> dict[str, Any]:
     """Inside a World rank: ``Trainer(strategy=<registry name>)`` with default knobs (or the class with
     ``strategy_kwargs``); returns rank 0's ``model.state_dict()`` after fit. ``count_calls``: a regex of module
     names whose forward calls are recorded per step (on every rank); ``with_optimizer``: also the optimizer state
-    in torch's per-parameter format (``trainer.strategy.optimizer_state``, collective)."""
+    in torch's per-parameter format (``trainer.strategy.optimizer_state``, collective); ``callbacks``: more
+    Lightning callbacks for the Trainer."""
     from lightning_shard.core import collectives as C
     from lightning_shard.core import hostmem
 
@@ -415,7 +416,7 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                         accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[calls] if calls else None)
+                        callbacks=([calls] if calls else []) + list(callbacks or []))
     data = dataset(name, steps, acc, world)
     loader = DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank))
     advise, advised = hostmem.advise, []

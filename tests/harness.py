@@ -97,6 +97,27 @@ class World:
             c.send_bytes(pickle.dumps((fn.__module__, fn.__name__, args, kwargs)))
         return self._collect()
 
+    def run_each(self, fn: Callable, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Like :meth:`run`, for a scenario in which ranks fail or die: every rank's outcome instead of the first
+        failure: ``("ok", result)``, ``("error", traceback)``, ``("died", exit code)`` (its process ended without
+        answering) or ``("silent", None)`` (alive, no answer within ``timeout``). Close the world with
+        ``force=True`` after a rank died."""
+        for c in self.conns:
+            c.send_bytes(pickle.dumps((fn.__module__, fn.__name__, args, kwargs)))
+        outcomes: list[tuple[str, Any]] = []
+        for c, p in zip(self.conns, self.procs):
+            if not c.poll(self.timeout):
+                outcomes.append(("silent", None))
+                continue
+            try:
+                ok, val = pickle.loads(c.recv_bytes())
+            except EOFError:  # the pipe's other end closed: the rank's process is gone
+                p.join(30)
+                outcomes.append(("died", p.exitcode))
+                continue
+            outcomes.append(("ok" if ok else "error", val))
+        return outcomes
+
     def close(self, force: bool = False) -> None:
         for c in self.conns:
             try:

@@ -4,6 +4,7 @@ DDPStrategy both ways), consolidation, crash safety, size, bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -70,7 +71,9 @@ def test_per_parameter_adam_steps_survive_resharding(worlds, tmp_path):
                             bucket_mb=25.0, **kw)
     for r in resumed:
         assert r["first"] == (3, 1, 0) and r["steps_per_param"] == straight["steps_per_param"]
-        assert max_diff(params_of(r["state"]), params_of(straight["state"])) <= 1e-4  # Adam: DESIGN.md section 6
+        # Adam (lr 0.01, eps=1e-6: up to lr/eps = 1e4 x the rounding of near-zero gradients) after a 2 -> 4
+        # reshard: only the association of the ranks' fp32 sum differs; measured 6e-8, so the fp32 bound holds
+        assert max_diff(params_of(r["state"]), params_of(straight["state"])) <= 1e-5
 
 
 def test_resume_from_last_and_save_top_k_removes_directories(worlds, tmp_path):
@@ -131,9 +134,16 @@ def test_checkpoint_size_has_no_duplication(worlds, tmp_path):
     tensors = Reader(tmp_path / "s" / "epoch=0-step=3.ckpt")
     payload = sum(tensors.read(k).numel() * tensors.read(k).element_size() for k in tensors.index)
     full_ckpt = torch.load(tmp_path / "f" / "epoch=0-step=3.ckpt", weights_only=False)
-    full_bytes = sum(v.numel() * v.element_size() for v in full_ckpt["state_dict"].values()
-                     if v.data_ptr() != full_ckpt["state_dict"]["net.emb.weight"].data_ptr() or "head" not in "")
-    assert payload <= full_bytes * 3 + 1  # weights + two Adam moments, each element once
+    # what the full checkpoint holds, each tensor once: the weights and buffers (the tied head is the embedding:
+    # one tensor under two names) and Adam's state of every trainable parameter (both moments and the step)
+    weights = {(v.data_ptr(), v.numel()): v for v in full_ckpt["state_dict"].values()}
+    assert len(weights) == len(full_ckpt["state_dict"]) - 1  # net.head.weight is net.emb.weight
+    adam = [v for st in full_ckpt["optimizer_states"][0]["state"].values() for v in st.values()]
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    assert payload == nbytes(weights.values()) + nbytes(adam), (payload, nbytes(weights.values()), nbytes(adam))
     # every element of every tensor is stored exactly once across the rank files
     for key, pieces in tensors.index.items():
         covered = sum(p.hi - p.lo for p in pieces)
@@ -141,13 +151,23 @@ def test_checkpoint_size_has_no_duplication(worlds, tmp_path):
     assert sharded > payload  # file framing; reported in the README for a bigger model
 
 
+def assert_rank1_died_mid_save(outcomes: list) -> None:
+    """What ``save_then_crash`` must give, and nothing else (a harness timeout, a save that failed on every rank):
+    rank 1 gone with the exit code it kills itself with while writing its rank file, and rank 0's save failed in
+    the checkpoint's index exchange, which lost its peer (gloo's words)."""
+    (kind0, out0), (kind1, out1) = outcomes
+    assert (kind1, out1) == ("died", 9), (kind1, out1)
+    assert kind0 == "error", (kind0, out0)
+    assert re.search(r"in save_sharded\n\s+all_index = C\.all_gather_object\(index", out0), out0[-3000:]
+    assert re.search(r"Connection (reset|closed) by peer|Broken pipe", out0), out0[-3000:]
+
+
 def test_crash_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     good = tmp_path / "good.ckpt"
     with fresh_world(2, force_close=True) as w:
         w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path / "first"))
         shutil.copytree(tmp_path / "first" / "epoch=0-step=3.ckpt", good)
-        with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
-            w.run(save_then_crash, str(tmp_path / "crashed.ckpt"), 1)
+        assert_rank1_died_mid_save(w.run_each(save_then_crash, str(tmp_path / "crashed.ckpt"), 1))
     assert not (tmp_path / "crashed.ckpt").exists()  # never committed
     leftovers = list(tmp_path.glob("crashed.ckpt.tmp-*"))
     assert leftovers and not (leftovers[0] / "meta.json").exists()
@@ -163,8 +183,7 @@ def test_crash_while_overwriting_last_resumes_from_the_previous_one(tmp_path):
     with fresh_world(2, force_close=True) as w:
         w.run(fit_ckpt, "zero2", 3, ckpt_dir=str(tmp_path))
         before = json.loads((tmp_path / "last.ckpt" / "meta.json").read_text())
-        with pytest.raises((RuntimeError, EOFError, OSError, TimeoutError)):
-            w.run(save_then_crash, str(tmp_path / "last.ckpt"), 1)
+        assert_rank1_died_mid_save(w.run_each(save_then_crash, str(tmp_path / "last.ckpt"), 1))
     assert json.loads((tmp_path / "last.ckpt" / "meta.json").read_text()) == before  # still the old version
     assert lightning_checkpoint(Reader(tmp_path / "last.ckpt"))["global_step"] == 3
     half_written = [p for p in (tmp_path / "last.ckpt").iterdir() if p.name.startswith("data-")

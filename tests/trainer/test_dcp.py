@@ -30,6 +30,20 @@ def ref():
     return fs.reference("tiny_lm", 2 * STEPS, ACC, WORLD, epoch_steps=STEPS)[0]
 
 
+@pytest.fixture(scope="module")
+def fresh():
+    """The 3 steps a resume from step 3 runs, from scratch: where a resume that restored nothing but the loop state
+    would end (a resume that restored nothing at all would start at step 0 and end at ``ref``)."""
+    return fs.reference("tiny_lm", STEPS, ACC, WORLD, epoch_steps=STEPS)[0]
+
+
+def resumed_at_step3(out: dict, fresh: dict) -> None:
+    """``out`` started at step 3 (the first batch of epoch 1, where the checkpoint of step 3 stands), ran the 3
+    remaining steps, and ended away from where those 3 steps take the initial weights."""
+    assert out["first"] == (STEPS, 1, 0) and out["steps_taken"] == STEPS, (out["first"], out["steps_taken"])
+    assert max_diff(out["state"], fresh) > 1e-2
+
+
 def fit_ours(stage: int, steps: int, **kw):
     return sc.fit_zero(stage, "auto", ACC, steps, optimizer="adam", model="tiny_lm", data_steps=STEPS, **kw)
 
@@ -65,36 +79,37 @@ def test_dcp_directory_consolidates_with_dcp_tools(world, tmp_path):
     assert ours.keys() == out["state"].keys() and all(torch.equal(ours[k], v) for k, v in out["state"].items())
 
 
-def test_dcp_checkpoint_resumes_under_another_strategy(world, ref, tmp_path):
+def test_dcp_checkpoint_resumes_under_another_strategy(world, ref, fresh, tmp_path):
     """zero2 writes DCP checkpoints every 3 steps (mid-epoch); zero3 resumes the one of step 3 (loops from
     meta.pt) and matches one process, as does the uninterrupted zero2 run."""
     straight = world.run(fit_ours, 2, 2 * STEPS, ckpt_dir=str(tmp_path), strategy_kwargs=DCP)[0]
     assert max_diff(straight["state"], ref) < 1e-5
     out = world.run(fit_ours, 3, 2 * STEPS, resume_from=str(tmp_path / STEP3))[0]
-    assert out["first"][:2] == (STEPS, 1)  # resumed at step 3, the start of epoch 1, not from scratch
+    resumed_at_step3(out, fresh)  # resumed at step 3, the start of epoch 1, not from scratch
     assert max_diff(out["state"], ref) < 1e-5
 
 
-def test_fsdp2_checkpoint_resumes_under_ours(world, ref, tmp_path):
+def test_fsdp2_checkpoint_resumes_under_ours(world, ref, fresh, tmp_path):
     """Lightning ModelParallelStrategy (torch fully_shard) writes DCP checkpoints; zero1 resumes weights, Adam
     state and loops from the one of step 3."""
     fsdp2 = world.run(ds.fit_fsdp2, 2 * STEPS, ACC, data_steps=STEPS, ckpt_dir=str(tmp_path))[0]
     assert max_diff(fsdp2["state"], ref) < 1e-5  # FSDP2 itself matches one process
     out = world.run(fit_ours, 1, 2 * STEPS, resume_from=str(tmp_path / STEP3))[0]
-    assert out["first"][:2] == (STEPS, 1)
+    resumed_at_step3(out, fresh)
     assert max_diff(out["state"], ref) < 1e-5
 
 
-def test_ours_resumes_under_fsdp2(world, ref, tmp_path):
+def test_ours_resumes_under_fsdp2(world, ref, fresh, tmp_path):
     """Our zero3 DCP checkpoint of step 3 loads into FSDP2 through Lightning's own ModelParallelStrategy."""
     world.run(fit_ours, 3, 2 * STEPS, ckpt_dir=str(tmp_path), strategy_kwargs=DCP)
     out = world.run(ds.fit_fsdp2, 2 * STEPS, ACC, data_steps=STEPS, resume_from=str(tmp_path / STEP3))[0]
     assert out["global_step"] == 2 * STEPS
+    resumed_at_step3(out, fresh)
     assert max_diff(out["state"], ref) < 1e-5
 
 
 
-def test_lightning_fsdp_sharded_layout_resumes_under_ours(world, ref, tmp_path):
+def test_lightning_fsdp_sharded_layout_resumes_under_ours(world, ref, fresh, tmp_path):
     """The layout of Lightning FSDPStrategy(state_dict_type="sharded") (torch FSDP1): ``model.``-prefixed keys and
     a nested FQN-keyed optimizer state, written by Lightning's own DCP save function (FSDP1 itself needs an
     accelerator); zero3 resumes weights, Adam state and loops from it."""
@@ -107,5 +122,5 @@ def test_lightning_fsdp_sharded_layout_resumes_under_ours(world, ref, tmp_path):
     assert "model.model.blocks.0.attn.qkv.weight" in keys and not any(k.startswith("state_dict.") for k in keys)
     assert "optimizer_0.state.model.blocks.0.attn.qkv.weight.exp_avg" in keys
     out = world.run(fit_ours, 3, 2 * STEPS, resume_from=str(fsdp1))[0]
-    assert out["first"][:2] == (STEPS, 1)
+    resumed_at_step3(out, fresh)
     assert max_diff(out["state"], ref) < 1e-5

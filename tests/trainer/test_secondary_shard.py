@@ -8,19 +8,55 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import lightning as L
 import pytest
 
+from lightning_shard.core import collectives as C
 from tests.foreign import fit_foreign
 from tests.trainer.test_foreign_models import STEPS, TOL, check, reference
 
 
-def fit_counting(name: str, strategy: str, acc: int, knobs: dict) -> dict[str, Any]:
-    from lightning_shard.core import collectives as C
+class StepMarks(L.Callback):
+    """The ledger's position at each optimizer step: the parameter gathers between two marks belong to one window
+    (the post-step gathers a step issues open the next one)."""
 
-    mark = C.LEDGER.mark()
-    out = fit_foreign(name, strategy, STEPS, acc, strategy_kwargs=knobs)
-    gathers = Counter(e.group for e in C.LEDGER.since(mark) if e.tag.startswith("unshard_"))
-    return {"state": out["state"], "gathers": gathers}
+    def __init__(self) -> None:
+        self.marks: list[int] = []
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.marks.append(C.LEDGER.mark())
+
+
+def fit_counting(name: str, strategy: Any, acc: int, knobs: dict | None) -> dict[str, Any]:
+    """Fit, then the ledger's parameter gathers: their groups in all, and per optimizer window (before the first
+    step, between two steps, after the last) each bucket's gathers in order, as the group each ran on."""
+    start, steps = C.LEDGER.mark(), StepMarks()
+    out = fit_foreign(name, strategy, STEPS, acc, strategy_kwargs=knobs, callbacks=[steps])
+    entries = C.LEDGER.since(start)
+    windows: list[dict[str, list[str]]] = []
+    lo = 0
+    for hi in [m - start for m in steps.marks] + [len(entries)]:
+        per_bucket: dict[str, list[str]] = {}
+        for e in entries[lo:hi]:
+            if e.tag.startswith("unshard_"):
+                per_bucket.setdefault(e.tag, []).append(e.group)
+        windows.append(per_bucket)
+        lo = hi
+    gathers = Counter(e.group for e in entries if e.tag.startswith("unshard_"))
+    return {"state": out["state"], "gathers": gathers, "windows": windows}
+
+
+def island_gathers(r: dict[str, Any]) -> int:
+    """Asserts, window by window and bucket by bucket, that the first gather ran over every rank ("gather" group)
+    and every later one inside the island ("island" group); returns how many ran in the island."""
+    assert len(r["windows"]) == STEPS + 1, len(r["windows"])
+    island = 0
+    for w, per_bucket in enumerate(r["windows"]):
+        assert per_bucket, f"window {w}: no parameter gather"
+        for tag, groups in per_bucket.items():
+            assert groups[0] == "gather" and all(g == "island" for g in groups[1:]), (w, tag, groups)
+            island += len(groups) - 1
+    return island
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp_shard"])
@@ -32,6 +68,7 @@ def test_island_gathers_match_one_process(worlds, name, strategy):
     for r in res:  # per step and bucket: 1 gather over the world, the others (up to 2 * acc - 1) in the island
         world, island = r["gathers"]["gather"], r["gathers"]["island"]
         assert 0 < world < island <= (2 * acc - 1) * world, r["gathers"]
+        assert island_gathers(r) == island
 
 
 @pytest.mark.parametrize("knobs", [{"activation_checkpointing": "auto"}, {"accumulation": "keep_params"},
@@ -42,6 +79,8 @@ def test_island_gathers_with_the_other_stage3_knobs(worlds, knobs):
     res = worlds(4).run(fit_counting, "hf_gpt2", "zero3", 3, dict(knobs, secondary_shard=2))
     check("hf_gpt2", res[0]["state"], reference("hf_gpt2", 3, 4), TOL)
     assert res[0]["gathers"]["gather"] > 0
+    for r in res:  # keep_params holds each unit over the window: its first gather is its only one
+        assert (island_gathers(r) > 0) == (knobs != {"accumulation": "keep_params"}), r["windows"]
 
 
 def test_island_from_the_topology(worlds):
@@ -49,6 +88,7 @@ def test_island_from_the_topology(worlds):
     res = worlds(4).run(fit_counting, "hf_gpt2", "zero3", 3, {"secondary_shard": "island", "topology": "cpu_2x2"})
     check("hf_gpt2", res[0]["state"], reference("hf_gpt2", 3, 4), TOL)
     assert res[0]["gathers"]["island"] > res[0]["gathers"]["gather"] > 0
+    assert all(island_gathers(r) > 0 for r in res)
 
 
 def test_with_int8_gathers_the_island_copies_are_the_dequantized_values(worlds):
@@ -57,6 +97,7 @@ def test_with_int8_gathers_the_island_copies_are_the_dequantized_values(worlds):
     knobs = {"secondary_shard": 2, "gather_quant": "int8"}
     res = worlds(4).run(fit_counting, "torch_mha", "zero3", 3, knobs)
     check("torch_mha", res[0]["state"], reference("torch_mha", 3, 4), 6e-3)
+    assert all(island_gathers(r) > 0 for r in res)
 
 
 @pytest.mark.parametrize("knobs,match", [
@@ -89,15 +130,11 @@ def fit_auto_with_hpz() -> dict[str, Any]:
             return Recommendation("zero3", {"accumulation": "keep_unsharded_grads", "secondary_shard": 2},
                                   "test: a row with hpZ", [])
 
-    from lightning_shard.core import collectives as C
-
-    mark = C.LEDGER.mark()
-    out = fit_foreign("hf_gpt2", PlannedHpZ(topology=None), STEPS, 3)
-    gathers = Counter(e.group for e in C.LEDGER.since(mark) if e.tag.startswith("unshard_"))
-    return {"state": out["state"], "gathers": gathers}
+    return fit_counting("hf_gpt2", PlannedHpZ(topology=None), 3, None)
 
 
 def test_strategy_auto_applies_a_planned_secondary_shard(worlds):
     res = worlds(4).run(fit_auto_with_hpz)
     check("hf_gpt2", res[0]["state"], reference("hf_gpt2", 3, 4), TOL)
     assert res[0]["gathers"]["island"] > res[0]["gathers"]["gather"] > 0
+    assert all(island_gathers(r) > 0 for r in res)
