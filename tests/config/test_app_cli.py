@@ -23,6 +23,8 @@ import torch
 
 from tests.optional import missing
 
+pytestmark = pytest.mark.slow  # the train command in subprocesses (popen launcher, sweeps, resume)
+
 ROOT = Path(__file__).resolve().parents[2]
 SWEPT = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
 # gpt_test, as conf/recipe/gpt_test.yaml: 4 optimizer steps, validation every 2 (so the last one is at step 4)

@@ -74,6 +74,7 @@ def test_resume_from_last_without_an_earlier_run_is_refused_before_launch(tmp_pa
     assert preflight(["ckpt_path=last", f"hydra.run.dir={tmp_path}/run"]) is None
 
 
+@pytest.mark.slow
 def test_a_misspelt_trainer_key_leaves_no_run_folder(tmp_path):
     import subprocess
     import sys

@@ -164,6 +164,7 @@ def _check_hydra(res, row, recipe: str) -> None:
 HYDRA_SETTINGS = list({s[1]: s for s in SETTINGS[:-2]}.values()) + SETTINGS[-2:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", HYDRA_SETTINGS, ids=[IDS[SETTINGS.index(s)] for s in HYDRA_SETTINGS])
 def test_every_row_hydra_overrides_compose_and_build(setting):
     res = planned(*setting)

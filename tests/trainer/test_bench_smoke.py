@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # bench smoke runs, each a few subprocess jobs
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--variants", "zero2", "ddp", "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--n-layer", "1",
         "--n-head", "2", "--n-embd", "32", "--vocab", "256", "--block-size", "16", "--batch-size", "1",

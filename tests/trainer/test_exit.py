@@ -13,6 +13,8 @@ import pytest
 
 from tests.harness import free_port
 
+pytestmark = pytest.mark.slow  # jobs that exit after their last collective, run several times
+
 JOB = Path(__file__).parents[1] / "exit_job.py"
 ABORT = "terminate called without an active exception"
 

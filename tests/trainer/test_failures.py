@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # failure jobs: a rank killed or stalled, timeouts waited out
+
 JOB = Path(__file__).parents[1] / "failure_job.py"
 
 

@@ -19,6 +19,8 @@ from lightning_shard.core import collectives as C
 from lightning_shard.core import hostmem
 from tests.foreign import MODELS, ForeignModule, diff, fit_foreign, reference_state
 
+pytestmark = pytest.mark.slow  # the foreign-model parity matrix, ~95 s
+
 STEPS = 4
 TOL = 1e-5
 STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "fsdp_shard"]

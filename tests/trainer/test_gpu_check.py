@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the GPU proof's CPU mode: every phase in worker processes
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.py"
 PHASES = ["parity", "world2", "perf", "tests"]

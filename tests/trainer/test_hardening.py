@@ -103,6 +103,7 @@ def test_many_small_parameters_are_bucketed(stage):
 SOAK_GROWTH_BOUND = 4 * 2**20  # resident-set growth allowed between optimizer steps 300 and 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zero3", "fsdp"])
 def test_soak_1000_steps_memory_flat(world2, kind):
     """1000 optimizer steps (accumulation 2): the resident set is flat from step 300 to 1000 and nothing stays

@@ -54,9 +54,9 @@ MIB = 2**20
 WORLD = 2
 STRATEGIES = ("zero0", "zero1", "zero2", "zero3")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     status_bytes("VmHWM") is None or platform.libc_ver()[0] != "glibc",
-    reason="needs Linux's /proc/self/status VmHWM and glibc's MALLOC_* variables")
+    reason="needs Linux's /proc/self/status VmHWM and glibc's MALLOC_* variables")]
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ def test_pattern_gives_ddp_weights(worlds, strategy, pattern):
     assert_parity(worlds(2).run(fit_pattern, strategy, pattern)[0], ddp(worlds(2), pattern))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_pattern_gives_ddp_weights_hybrid(worlds, pattern):
     """zero3 sharded inside 2 islands of 2 ranks, replicated across (4 ranks, the cpu_2x2 preset)."""

@@ -191,6 +191,7 @@ def test_switch_transformer_experts_differ_between_ranks(worlds):
 JOB = Path(__file__).parents[1] / "failure_job.py"
 
 
+@pytest.mark.slow
 def test_ranks_that_diverge_after_the_first_step_fail_naming_the_unit(tmp_path):
     """From step 3 on rank 1 alone runs a module twice: a gather outside the agreed schedule. Rank 1 refuses it
     with an error naming the unit before issuing it; rank 0 then fails on the closed connection: no hang."""

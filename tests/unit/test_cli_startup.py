@@ -55,6 +55,7 @@ def test_plan_help_imports_no_torch():
     assert got["rc"] == 0 and "--global-batch" in got["out"] and got["loaded"] == ["lightning_shard.planner"]
 
 
+@pytest.mark.slow
 def test_import_package_loads_no_torch_and_strategies_still_register():
     """`import lightning_shard` first, Lightning later: the names are registered once Lightning is imported;
     `from lightning_shard import Zero2Strategy` still works (module __getattr__)."""

@@ -83,6 +83,7 @@ SCRIPT = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 def test_predicted_peak_within_25_percent_of_measured_cpu_peak():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
