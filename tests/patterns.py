@@ -25,17 +25,19 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_shard.core import collectives as C
 from tests.c10d_counter import C10dCounter
+from tests.scenarios import late_all_gather
 
 Z, X, WIDTH, MICRO = 16, 8, 512, 4
 OURS = "lightning_shard.core.collectives"
 
 # the manual-optimization variants of the GAN step (GanModule.training_step)
-GAN_VARIANTS = ("gan", "toggle", "detached", "two_losses", "retain_graph", "manual_acc", "manual_acc_nosync",
-                "zero_grad_held", "clip")
+GAN_VARIANTS = ("gan", "toggle", "toggle_tiny", "detached", "two_losses", "retain_graph", "manual_acc",
+                "manual_acc_nosync", "zero_grad_held", "clip")
 # refused as DDP refuses it (torch's in-place check), with our explanation
 REFUSED_VARIANTS = ("stale_graph",)
-# automatic optimization with an accumulation that changes or ends early (Regressor)
-AUTO_VARIANTS = ("grad_acc_scheduler", "short_last_window")
+# automatic optimization (Regressor): an accumulation that changes or ends early; a parameter of the LightningModule
+# itself read by training_step before any forward (every all-gather deferred to its wait: tests/scenarios.py)
+AUTO_VARIANTS = ("grad_acc_scheduler", "short_last_window", "root_parameter")
 
 
 class Block(nn.Module):
@@ -74,6 +76,8 @@ class GanModule(L.LightningModule):
             raise ValueError(f"unknown GAN variant {variant!r}")
         torch.manual_seed(1234)
         self.gen, self.disc = Net(Z, X), Net(X, 1)
+        # toggle_tiny: a third optimizer over one element, which only one of two ranks owns a piece of
+        self.temperature = nn.Parameter(torch.ones(())) if variant == "toggle_tiny" else None
         self.automatic_optimization = False
         self.variant, self.acc = variant, acc
         self.norms: list[float] = []
@@ -81,18 +85,23 @@ class GanModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         opt_g = torch.optim.SGD(self.gen.parameters(), lr=0.05, momentum=0.9)
         opt_d = torch.optim.Adam(self.disc.parameters(), lr=1e-3, eps=1e-6)
+        if self.temperature is not None:
+            return opt_g, opt_d, torch.optim.SGD([self.temperature], lr=0.05)
         return opt_g, opt_d
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         real, z = batch
-        opt_g, opt_d = self.optimizers()
+        opt_g, opt_d, *_ = self.optimizers()
         getattr(self, f"_{self.variant}")(real, z, opt_g, opt_d, batch_idx)
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.disc(x) if self.temperature is None else self.disc(x) / self.temperature
+
     def _d_loss(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-        return _bce(self.disc(real), 1.0) + _bce(self.disc(fake), 0.0)
+        return _bce(self._logits(real), 1.0) + _bce(self._logits(fake), 0.0)
 
     def _g_loss(self, fake: torch.Tensor) -> torch.Tensor:
-        return _bce(self.disc(fake), 1.0)
+        return _bce(self._logits(fake), 1.0)
 
     def _gan(self, real, z, opt_g, opt_d, i) -> None:  # fake not detached: both backwards reach both networks
         loss_d = self._d_loss(real, self.gen(z))
@@ -117,6 +126,19 @@ class GanModule(L.LightningModule):
         opt_d.step()
         opt_d.zero_grad()
         self.untoggle_optimizer(opt_d)
+
+    def _toggle_tiny(self, real, z, opt_g, opt_d, i) -> None:
+        """As ``toggle``, and the temperature's optimizer (one element: on two ranks one owns it, the other holds no
+        piece of it and so cannot see its toggle) steps with D: off in G's phase, on in D's."""
+        opt_t = self.optimizers()[2]
+        self._toggle(real, z, opt_g, opt_d, i)
+        self.toggle_optimizer(opt_t)
+        self.manual_backward(self._d_loss(real, self.gen(z)))
+        opt_t.step()
+        opt_t.zero_grad()
+        self.untoggle_optimizer(opt_t)
+        opt_g.zero_grad()
+        opt_d.zero_grad()
 
     def _detached(self, real, z, opt_g, opt_d, i) -> None:  # D's step leaves G without gradients
         fake = self.gen(z)
@@ -208,16 +230,19 @@ class GanModule(L.LightningModule):
 
 
 class Regressor(L.LightningModule):
-    """Automatic optimization, one optimizer (SGD with momentum: linear in the gradient, tight parity)."""
+    """Automatic optimization, one optimizer (SGD with momentum: linear in the gradient, tight parity).
+    ``scale``: a parameter of the LightningModule itself, read before the net's forward (no module forward of its
+    own that a wait could hang on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: bool = False) -> None:
         super().__init__()
         torch.manual_seed(1234)
+        self.scale = nn.Parameter(torch.ones(())) if scale else None
         self.net = Net(Z, X)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         z, target = batch
-        return F.mse_loss(self.net(z), target)
+        return F.mse_loss(self.net(z if self.scale is None else z * self.scale), target)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -312,13 +337,13 @@ def fit_pattern(strategy: str, pattern: str, *, count: bool = False, knobs: Opti
         module: L.LightningModule = GanModule(pattern, acc=2)
         data = _data("gan", batches * world * MICRO)
     else:
-        module = Regressor()
+        module = Regressor(scale=pattern == "root_parameter")
         data = _data("reg", batches * world * MICRO)
         if pattern == "grad_acc_scheduler":  # 1 micro-batch per step in epoch 0 and 1, then 4
             callbacks.append(GradientAccumulationScheduler(scheduling={0: 1, 2: 4}))
         elif pattern == "short_last_window":
             accumulate = SHORT_WINDOW_ACC  # `batches` is not a multiple of it: each epoch's last window is short
-        else:
+        elif pattern != "root_parameter":
             raise ValueError(f"unknown pattern {pattern!r}")
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy, knobs), max_epochs=epochs,
                         accumulate_grad_batches=accumulate, use_distributed_sampler=False, logger=False,
@@ -326,7 +351,8 @@ def fit_pattern(strategy: str, pattern: str, *, count: bool = False, knobs: Opti
                         callbacks=callbacks)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(data, batch_size=MICRO, sampler=sampler)
-    with PolicyLog() as log, counter if counter is not None else contextlib.nullcontext():
+    late = late_all_gather() if pattern == "root_parameter" else contextlib.nullcontext()
+    with PolicyLog() as log, counter if counter is not None else contextlib.nullcontext(), late:
         trainer.fit(module, loader)
     engine = getattr(trainer.strategy, "engine", None)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()},

@@ -52,6 +52,42 @@ def slow_all_gather(seconds: float) -> Iterator[None]:
     finally:
         C._ag_impl = real
 
+class _Deferred:
+    """An all-gather that has not run yet: the real one runs when waited, so its data arrive at the wait."""
+
+    def __init__(self, run: Any) -> None:
+        self._run = run
+
+    def wait(self, timeout: Any = None) -> bool:
+        run, self._run = self._run, None
+        if run is not None:
+            run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+@contextmanager
+def late_all_gather() -> Iterator[None]:
+    """Async all-gathers deliver nothing until they are waited (a link so slow that nothing overlapped them): code
+    that reads a parameter before waiting for its gather reads the previous value, on every run, not by chance.
+    Every rank waits its gathers in the same order (they are on a group of their own), so the deferred collectives
+    pair up."""
+    real = C._ag_impl
+
+    def late(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if not async_op:
+            return real(*args, **kwargs)
+        return _Deferred(lambda: real(*args, async_op=False, **kwargs))
+
+    C._ag_impl = late
+    try:
+        yield
+    finally:
+        C._ag_impl = real
+
+
 STEPS = 5
 SMALL_BUCKETS = 0.0003  # MiB: several buckets even for this tiny model (one optimizer, both param groups per bucket)
 

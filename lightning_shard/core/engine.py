@@ -153,6 +153,12 @@ class ShardEngine:
                                              self.param_dtype)
         self.last_grad_norm: Optional[float] = None
         self._switched: list[nn.Parameter] = []  # module parameters switched off for the backward in progress
+        # an optimizer of which some rank owns no element (fewer elements than ranks): that rank has no chunk whose
+        # requires_grad a toggle_optimizer could set, so the ranks agree on the toggles at each backward (one byte
+        # per optimizer, only then); every rank computes this from the same layouts
+        self._toggle_blind = self.total_world > 1 and any(
+            all(b.layout.owned_range(r)[0] >= b.layout.owned_range(r)[1] for b in binding.buckets)
+            for binding in self.bindings for r in range(self.spec.num_shards))
         self._restored = False  # restore_source_dtype() ran
 
     def _parse_policy(self, accumulation: str) -> AccumulationPolicy:
@@ -262,7 +268,12 @@ class ShardEngine:
         (autograd then accumulates nothing into them, as under DDP, where the forward left them out), and their
         buckets keep their state. Returns the buckets this backward may give gradients to."""
         self._switch_on_toggled()  # a backward that raised left them off
-        off = {id(b) for binding in self.bindings if binding.toggled_off() for b in binding.buckets}
+        flags = [binding.toggled_off() for binding in self.bindings]
+        if self._toggle_blind:  # a rank holding no element of an optimizer cannot see its toggle: the others say
+            agreed = torch.tensor(flags, dtype=torch.uint8, device=self.buckets[0].device)
+            C.all_reduce(agreed, op="max", group=None, tag="toggled")
+            flags = [bool(x) for x in agreed.tolist()]
+        off = {id(b) for binding, flag in zip(self.bindings, flags) if flag for b in binding.buckets}
         if not off:
             return self.sync.buckets
         self._switched = [p for b in self.sync.buckets if id(b) in off for p in b.params if p.requires_grad]

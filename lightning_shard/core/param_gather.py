@@ -21,6 +21,12 @@ class PostStepGathers:
         self._gloo = bool(buckets) and C.backend(buckets[0].group) == "gloo"  # the groups' backend does not change
         self._pending: list[Bucket] = []
         self.handles: list[Any] = self._register_waits(module, buckets) if self.overlap else []
+        # buckets holding a parameter of the root module itself (a LightningModule's own nn.Parameter, read by its
+        # training_step): no forward of it is sure to run before the read, so nothing could wait there; they are
+        # waited at the end of the step instead of overlapping the next forward (read in flight, a rank that owns
+        # none of it computed with the previous value: a silent difference)
+        root = {id(p) for p in module.parameters(recurse=False)}
+        self._unhooked = {b.index for b in buckets if any(id(p) in root for p in b.params)}
 
     @staticmethod
     def _register_waits(module: nn.Module, buckets: list[Bucket]) -> list[Any]:
@@ -34,6 +40,8 @@ class PostStepGathers:
         waits_of: dict[str, set[int]] = {}
         named = dict(module.named_modules())
         for name, m in named.items():
+            if m is module:  # the root: waited at the step's end (``_unhooked``)
+                continue
             mine = {i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())}
             if mine:
                 at = next((c for c in compiled if name == c or name.startswith(c + ".")), name)
@@ -55,7 +63,8 @@ class PostStepGathers:
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.launch_gather(async_op=True)
         if self.overlap and not (self._gloo and torch.autograd._profiler_enabled()):
-            self._pending += [b for b in buckets if b.spec.gathers_after_step]
+            self._pending += [b for b in buckets if b.spec.gathers_after_step and b.index not in self._unhooked]
+            _wait([b for b in buckets if b.index in self._unhooked])
         else:
             _wait(buckets)
 
