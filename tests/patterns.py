@@ -37,7 +37,7 @@ GAN_VARIANTS = ("gan", "toggle", "toggle_tiny", "detached", "two_losses", "retai
 REFUSED_VARIANTS = ("stale_graph",)
 # automatic optimization (Regressor): an accumulation that changes or ends early; a parameter of the LightningModule
 # itself read by training_step before any forward (every all-gather deferred to its wait: tests/scenarios.py)
-AUTO_VARIANTS = ("grad_acc_scheduler", "short_last_window", "root_parameter")
+AUTO_VARIANTS = ("grad_acc_scheduler", "short_last_window", "root_parameter", "early_read")
 
 
 class Block(nn.Module):
@@ -232,17 +232,24 @@ class GanModule(L.LightningModule):
 class Regressor(L.LightningModule):
     """Automatic optimization, one optimizer (SGD with momentum: linear in the gradient, tight parity).
     ``scale``: a parameter of the LightningModule itself, read before the net's forward (no module forward of its
-    own that a wait could hang on)."""
+    own that a wait could hang on), from the third step on only (the step after the first optimizer step, which the
+    strategy watches for such reads, does not read it); ``early``: a weight of the net read by the step's code
+    before the net's forward, at every step."""
 
-    def __init__(self, scale: bool = False) -> None:
+    def __init__(self, scale: bool = False, early: bool = False) -> None:
         super().__init__()
         torch.manual_seed(1234)
         self.scale = nn.Parameter(torch.ones(())) if scale else None
+        self.early = early
         self.net = Net(Z, X)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         z, target = batch
-        return F.mse_loss(self.net(z if self.scale is None else z * self.scale), target)
+        if self.scale is not None and self.trainer.global_step >= 2:
+            z = z * self.scale
+        if self.early:
+            z = z + self.net.out.bias.mean()
+        return F.mse_loss(self.net(z), target)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -337,13 +344,13 @@ def fit_pattern(strategy: str, pattern: str, *, count: bool = False, knobs: Opti
         module: L.LightningModule = GanModule(pattern, acc=2)
         data = _data("gan", batches * world * MICRO)
     else:
-        module = Regressor(scale=pattern == "root_parameter")
+        module = Regressor(scale=pattern == "root_parameter", early=pattern == "early_read")
         data = _data("reg", batches * world * MICRO)
         if pattern == "grad_acc_scheduler":  # 1 micro-batch per step in epoch 0 and 1, then 4
             callbacks.append(GradientAccumulationScheduler(scheduling={0: 1, 2: 4}))
         elif pattern == "short_last_window":
             accumulate = SHORT_WINDOW_ACC  # `batches` is not a multiple of it: each epoch's last window is short
-        elif pattern != "root_parameter":
+        elif pattern not in ("root_parameter", "early_read"):
             raise ValueError(f"unknown pattern {pattern!r}")
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy, knobs), max_epochs=epochs,
                         accumulate_grad_batches=accumulate, use_distributed_sampler=False, logger=False,
@@ -351,7 +358,7 @@ def fit_pattern(strategy: str, pattern: str, *, count: bool = False, knobs: Opti
                         callbacks=callbacks)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
     loader = DataLoader(data, batch_size=MICRO, sampler=sampler)
-    late = late_all_gather() if pattern == "root_parameter" else contextlib.nullcontext()
+    late = late_all_gather() if pattern in ("root_parameter", "early_read") else contextlib.nullcontext()
     with PolicyLog() as log, counter if counter is not None else contextlib.nullcontext(), late:
         trainer.fit(module, loader)
     engine = getattr(trainer.strategy, "engine", None)

@@ -70,22 +70,22 @@ class _Deferred:
 
 @contextmanager
 def late_all_gather() -> Iterator[None]:
-    """Async all-gathers deliver nothing until they are waited (a link so slow that nothing overlapped them): code
-    that reads a parameter before waiting for its gather reads the previous value, on every run, not by chance.
-    Every rank waits its gathers in the same order (they are on a group of their own), so the deferred collectives
-    pair up."""
-    real = C._ag_impl
+    """Async all-gathers (either path: ``all_gather_single`` or N broadcasts) deliver nothing until they are waited
+    (a link so slow that nothing overlapped them): code that reads a parameter before waiting for its gather reads
+    the previous value, on every run, not by chance. Every rank waits its gathers in the same order (they are on a
+    group of their own), so the deferred collectives pair up."""
+    real = C.all_gather
 
     def late(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         if not async_op:
             return real(*args, **kwargs)
         return _Deferred(lambda: real(*args, async_op=False, **kwargs))
 
-    C._ag_impl = late
+    C.all_gather = late
     try:
         yield
     finally:
-        C._ag_impl = real
+        C.all_gather = real
 
 
 STEPS = 5

@@ -602,6 +602,11 @@ class Bucket:
         step. True when chunks were split (the optimizer's param groups must be rebound)."""
         return self.optimizer_view.leave_out(set(unused), opt_state)
 
+    @property
+    def gathering(self) -> bool:
+        """Stages 1/2: the post-step all-gather is in flight (not waited yet)."""
+        return self._param_work is not None
+
     def wait_param_gather(self) -> None:
         work, self._param_work = self._param_work, None
         if work is not None:

@@ -216,6 +216,10 @@ class ShardEngine:
                       error_feedback=self.quant_error_feedback, secondary_group=self.secondary_group,
                       all_gather_via=self.all_gather_via, huge_pages=self.huge_pages)
 
+    def watch_step(self):
+        """Around the code of a training step (stages 1/2): :meth:`.param_gather.PostStepGathers.watch`."""
+        return self.gathers.watch()
+
     def wait_params(self) -> None:
         """Finish every parameter all-gather still in flight (before anything reads or writes parameters
         outside a forward: the optimizer step, checkpoints, evaluation, teardown)."""

@@ -1,16 +1,26 @@
 """Stages 1/2: the all-gather of updated parameters after each step. With ``overlap_param_gather`` it runs in
 the background and each module waits for its own buckets in a forward pre-hook, so the gather overlaps the
-next forward; anything that reads or writes parameters outside a forward calls :meth:`PostStepGathers.wait_all`."""
+next forward; anything that reads or writes parameters outside a forward calls :meth:`PostStepGathers.wait_all`.
+
+A parameter read before its module's forward (by the step's own code: a LightningModule's own ``nn.Parameter``, a
+weight used in a loss computed before the forward) would be read while its gather is in flight, and a rank that
+does not own it would compute with the previous value. The root module's own parameters are known up front: their
+buckets are waited at the end of the step. Other such reads are found in the first step with a gather in flight
+(:meth:`PostStepGathers.watch`, the stage-3 guard of :mod:`.guard`): the read waits for its bucket right there, and
+that bucket is waited at the end of every step from then on.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from . import collectives as C
 from .bucket import Bucket
+from .guard import ShardedUseGuard
 from .state import eager
 from .units import compiled_modules
 
@@ -27,6 +37,8 @@ class PostStepGathers:
         # none of it computed with the previous value: a silent difference)
         root = {id(p) for p in module.parameters(recurse=False)}
         self._unhooked = {b.index for b in buckets if any(id(p) in root for p in b.params)}
+        self._bucket_of = {id(p): b for b in buckets for p in b.params}
+        self._watched = False
 
     @staticmethod
     def _register_waits(module: nn.Module, buckets: list[Bucket]) -> list[Any]:
@@ -67,6 +79,26 @@ class PostStepGathers:
             _wait([b for b in buckets if b.index in self._unhooked])
         else:
             _wait(buckets)
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        """Around a training step's code: the first one that starts with gathers in flight runs under the guard,
+        which makes a read of a parameter whose gather is in flight wait for it and keeps its bucket out of the
+        overlap from then on (see the module docstring). No cost after that step."""
+        if self._watched or not self._pending:
+            yield
+            return
+        self._watched = True
+        with ShardedUseGuard(self._in_flight, self._read_in_flight):
+            yield
+
+    def _in_flight(self, t: torch.Tensor) -> Optional[Bucket]:
+        b = self._bucket_of.get(id(t))
+        return b if b is not None and b.gathering else None
+
+    def _read_in_flight(self, bucket: Bucket, t: torch.Tensor, func: Any) -> None:
+        self._unhooked.add(bucket.index)
+        bucket.wait_param_gather()
 
     def wait_all(self) -> None:
         pending, self._pending = self._pending, []

@@ -174,6 +174,12 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            return super().training_step(*args, **kwargs)
+        with self.engine.watch_step():  # zero1/2: reads of parameters whose post-step gather is in flight
+            return super().training_step(*args, **kwargs)
+
     # ------------------------------------------------------------------ gradient sync
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
