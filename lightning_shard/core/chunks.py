@@ -105,11 +105,6 @@ class OptimizerChunks:
                 out[i:j].copy_(c.grad.reshape(-1))
         return out
 
-    def toggled_off(self) -> bool:
-        """No chunk requires a gradient: Lightning's ``toggle_optimizer`` switched this optimizer's parameters off
-        (it sets ``requires_grad`` on what the optimizers' param groups hold: these chunks)."""
-        return bool(self.chunks) and not any(c.requires_grad for c in self.chunks)
-
     def leave_out(self, unused: set[int], opt_state: dict) -> bool:
         """Chunks of parameters without a gradient in this window get ``grad=None``; a chunk holding both kinds
         is split first. Returns True when the chunks changed (the optimizer's param groups must be rebound)."""

@@ -66,10 +66,10 @@ class OptimizerBinding:
             group["params"] = [c for b in self.buckets for g, c in b.optimizer_view.grouped() if g == gi]
 
     def toggled_off(self) -> bool:
-        """Lightning's ``toggle_optimizer`` switched this optimizer off (:meth:`.chunks.OptimizerChunks.toggled_off`
-        of every bucket that has chunks on this rank)."""
-        views = [b.optimizer_view for b in self.buckets if b.optimizer_view.chunks]
-        return bool(views) and all(v.toggled_off() for v in views)
+        """Lightning's ``toggle_optimizer`` switched this optimizer off: it sets ``requires_grad`` on what the param
+        groups hold, the shard chunks, and none of this rank's requires a gradient (False on a rank that has none)."""
+        chunks = [c for b in self.buckets for c in b.chunks]
+        return bool(chunks) and not any(c.requires_grad for c in chunks)
 
     def orig_index(self) -> dict[int, int]:
         """``id(param) -> index`` in torch's state_dict numbering."""

@@ -30,6 +30,7 @@ class PostStepGathers:
         self.overlap = overlap and any(b.spec.gathers_after_step for b in buckets)
         self._gloo = bool(buckets) and C.backend(buckets[0].group) == "gloo"  # the groups' backend does not change
         self._pending: list[Bucket] = []
+        self._bucket_of = {id(p): b for b in buckets for p in b.params}
         self.handles: list[Any] = self._register_waits(module, buckets) if self.overlap else []
         # buckets holding a parameter of the root module itself (a LightningModule's own nn.Parameter, read by its
         # training_step): no forward of it is sure to run before the read, so nothing could wait there; they are
@@ -37,24 +38,18 @@ class PostStepGathers:
         # none of it computed with the previous value: a silent difference)
         root = {id(p) for p in module.parameters(recurse=False)}
         self._unhooked = {b.index for b in buckets if any(id(p) in root for p in b.params)}
-        self._bucket_of = {id(p): b for b in buckets for p in b.params}
         self._watched = False
 
-    @staticmethod
-    def _register_waits(module: nn.Module, buckets: list[Bucket]) -> list[Any]:
+    def _register_waits(self, module: nn.Module, buckets: list[Bucket]) -> list[Any]:
         """A wait hook on each module holding parameters directly; inside a ``torch.compile``'d module, one on the
         compiled module for everything below it (the hooks run eagerly, before the compiled graph: no graph break)."""
-        owners: dict[int, set[int]] = {}
-        for b in buckets:
-            for p in b.params:
-                owners.setdefault(id(p), set()).add(b.index)
         compiled = [c for c in compiled_modules(module) if c]  # the root's forward may never run
         waits_of: dict[str, set[int]] = {}
         named = dict(module.named_modules())
         for name, m in named.items():
             if m is module:  # the root: waited at the step's end (``_unhooked``)
                 continue
-            mine = {i for p in m.parameters(recurse=False) for i in owners.get(id(p), ())}
+            mine = {self._bucket_of[id(p)].index for p in m.parameters(recurse=False) if id(p) in self._bucket_of}
             if mine:
                 at = next((c for c in compiled if name == c or name.startswith(c + ".")), name)
                 waits_of.setdefault(at, set()).update(mine)
