@@ -1,5 +1,5 @@
 """The backend's collectives timed against each other, for the same tensor: what ``reduce_scatter_via="auto"`` rests
-on (core/collectives.py).
+on (engine/comm/collectives.py).
 
 For each world size and tensor size, every rank (one CPU thread each; gloo, or NCCL with ``--backend nccl`` on GPUs)
 times, best of ``--repeats`` rounds of ``--iters`` calls after a warm-up, all launched ``async_op=True`` and waited
@@ -136,7 +136,7 @@ def markdown(doc: dict) -> str:
                         f"{r['all_gather cpu']:.2f} / {r['broadcasts as gather cpu']:.2f} |"))
     lines += ["", "A ratio above 1: the other form is faster than the backend's own collective. "
               "``reduce_scatter_via='auto'`` picks the gradient reduce-scatter's form per backend "
-              "(core/collectives.py), ``all_gather_via='auto'`` the parameter all-gather's (broadcasts on gloo).", ""]
+              "(comm/collectives.py), ``all_gather_via='auto'`` the parameter all-gather's (broadcasts on gloo).", ""]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""What a fresh host buffer costs with and without the huge-page advice of ``huge_pages`` (core/hostmem.py).
+"""What a fresh host buffer costs with and without the huge-page advice of ``huge_pages`` (engine/comm/hostmem.py).
 
 One process, one thread. For each size: ``--iters`` rounds of "allocate a fresh fp32 buffer, write it once, free
 it" (the life of a zero2 gradient bucket or an all-to-all's pieces in one step), best of ``--repeats``, with the
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_shard.core import hostmem  # noqa: E402
+from lightning_shard.engine.comm import hostmem  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -45,8 +45,8 @@ def build(variant: str, seed: int):
     import torch
     from variants import build_model
 
-    from lightning_shard.core.config import UnitConfig
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine.engine import ShardEngine
+    from lightning_shard.engine.settings import UnitConfig
 
     torch.manual_seed(seed)
     net = build_model(MODEL)
@@ -117,7 +117,7 @@ def main() -> None:
     from gpu_probes import free_port
 
     torch.set_num_threads(1)
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{free_port()}", timedelta(seconds=60))
     names = ["plain"] + list(args.variants)

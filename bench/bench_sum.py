@@ -38,7 +38,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import lightning_shard
-    from lightning_shard.core.collectives import sum_pieces_into
+    from lightning_shard.engine.comm.collectives import sum_pieces_into
 
     torch.set_num_threads(1)
     rows_out = []
@@ -69,7 +69,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(doc: dict[str, Any], command: str) -> str:
     lines = ["# Summing the all-to-all's pieces: torch.sum over rows vs row-order adds", "",
              f"One CPU thread; torch {doc['machine']['torch']}; best of {doc['repeats']} rounds of {doc['iters']} "
-             "calls. `sum_pieces_into` is what the engine runs (core/collectives.py); row-order: equal bit for bit "
+             "calls. `sum_pieces_into` is what the engine runs (comm/collectives.py); row-order: equal bit for bit "
              "to p0 + p1 + ... added in row order.", f"Command: `{command}`", "",
              "| dtype | piece MiB | rows | torch.sum ms | sum_pieces_into ms | speed-up | torch.sum row-order | "
              "sum_pieces_into row-order |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]

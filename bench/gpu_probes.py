@@ -1,7 +1,7 @@
 """Phase 2's probes: what two ranks on one device can do, asked of the backends directly (gpu_world2.py uses them).
 
 * :func:`probes` (in each gloo rank): every ``torch.distributed`` call the engine makes through
-  ``core/collectives.py``, made the way it makes it (async + wait) on tensors of the device, each checked for its
+  ``engine/comm/collectives.py``, made the way it makes it (async + wait) on tensors of the device, each checked for its
   values; a call the backend refuses is recorded with its error.
 * :func:`nccl_same_device` (CUDA only): two processes try NCCL on cuda:0 (one all-reduce, a 30 s limit); what
   happens (refused / hung / worked) is recorded, nothing is asserted.

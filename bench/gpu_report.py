@@ -83,7 +83,7 @@ def parity_md(sec: dict[str, Any], cpu: bool) -> list[str]:
 def world2_md(sec: dict[str, Any], cpu: bool) -> list[str]:
     dev = "CPU" if cpu else "cuda:0"
     lines = [f"Two processes (torch.multiprocessing spawn), gloo, both on {dev}. Each collective the engine uses "
-             "(`core/collectives.py`), on tensors of that device, async as the engine issues them:", "",
+             "(`engine/comm/collectives.py`), on tensors of that device, async as the engine issues them:", "",
              "| torch.distributed call | used by | runs | correct | error |", "| --- | --- | --- | --- | --- |"]
     for p in sec.get("probes", []):
         lines.append(f"| `{p['op']}` | {p.get('used_by', '')} | {_f(p.get('ok'))} | {_f(p.get('correct'))} | "

@@ -36,7 +36,7 @@ STEPS, BOUND = 4, 1e-5
 CASES = [("zero0", dict(stage=0)), ("zero1", dict(stage=1)), ("zero2", dict(stage=2)),
          ("zero2_per_micro_batch", dict(stage=2, accumulation="per_micro_batch")),
          ("zero3", dict(stage=3, units="zero3")), ("fsdp_shard", dict(stage=3, units="fsdp"))]
-# each ``reduce_scatter_via`` path the engine offers besides its default (``core/collectives.py``), for zero2 and
+# each ``reduce_scatter_via`` path the engine offers besides its default (``engine/comm/collectives.py``), for zero2 and
 # zero3, where the call it makes works on this backend and device (the first listed: the one the engine prefers)
 PATH_PROBES = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
                "all_to_all": ("all_to_all_single",), "all_reduce": ("all_reduce",)}
@@ -44,7 +44,7 @@ PATH_PROBES = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tenso
 
 def path_cases(probed: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
     """The cases of the explicit reduce-scatter paths, and the paths left out with the reason."""
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     cases, skipped = [], {}
     for via in getattr(C, "REDUCE_SCATTER_VIA", ()):
@@ -63,9 +63,9 @@ def path_cases(probed: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str, 
 def train_case(kw: dict[str, Any], device: str, size: dict[str, Any], micro: int, data: Any) -> dict[str, Any]:
     from torch import nn
 
-    from lightning_shard.core import collectives as C
-    from lightning_shard.core.config import UnitConfig
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.engine import ShardEngine
+    from lightning_shard.engine.settings import UnitConfig
 
     rank = C.get_rank()
     model = build_small_tf(size).to(device)
@@ -116,7 +116,7 @@ def rank_main(rank: int, port: int, device: str, size: dict[str, Any], micro: in
     torch.set_num_threads(1 if device == "cpu" else 4)
     if device == "cuda":
         torch.cuda.set_device(0)
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     # a collective gloo cannot finish on this device raises after this long instead of hanging the phase
     C.init_process_group("gloo", rank, WORLD, f"tcp://127.0.0.1:{port}", timedelta(seconds=60 if device == "cpu"

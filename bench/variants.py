@@ -43,7 +43,7 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "_pf2": {"prefetch_depth": 2},  # stage 3: two units ahead
     "_ar": {"reduce_scatter_via": "all_reduce"},  # gloo's default before the all-to-all form (issue 16)
     "_u0": {"min_unit_mb": 0.0},  # zero3: one unit per module with parameters (before issue 16's merging)
-    # compressed communication (issue 14, core/quant.py): int8 gathers, int8 / int4 reductions, both
+    # compressed communication (issue 14, engine/comm/quant.py): int8 gathers, int8 / int4 reductions, both
     "_q8g": {"gather_quant": "int8"},
     "_q8r": {"reduce_quant": "int8"},
     "_q4r": {"reduce_quant": "int4"},

@@ -1,6 +1,6 @@
 """``CommSummary``: per-step communication, memory and throughput figures for a training run.
 
-Per optimizer step it reads the collective ledger (``lightning_shard.core.collectives.LEDGER``) and logs,
+Per optimizer step it reads the collective ledger (``lightning_shard.engine.comm.collectives.LEDGER``) and logs,
 rank-local and unsynchronized, ``comm/wire_bytes_step``, ``comm/bytes_step`` and ``comm/collectives_step``
 through ``pl_module.log`` (so the CSV logger records them). At the end it holds the figures the summary
 table of ``lightning_shard.train`` prints (see :meth:`CommSummary.summary`).
@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
 try:
-    from lightning_shard.core.collectives import LEDGER, Ledger
+    from lightning_shard.engine.comm.collectives import LEDGER, Ledger
 except ImportError:  # the core is optional for this callback
     LEDGER, Ledger = None, None
 

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 SUBCOMMANDS = {
     "topo": "lightning_shard.topology.cli_topo",
     "plan": "lightning_shard.planner.cli_plan",
-    "consolidate": "lightning_shard.cli_consolidate",
+    "consolidate": "lightning_shard.checkpoint.cli",
     "train": "lightning_shard.app.cli_train",
 }
 # what `lightning-shard --help` lists, without importing the modules (a test checks they match)

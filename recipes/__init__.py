@@ -1,6 +1,6 @@
 """Recipes: LightningModules and DataModules that the strategies train.
 
-Recipes depend on Lightning and torch only; they never import ``lightning_shard.core`` (DESIGN.md §3).
+Recipes depend on Lightning and torch only; they never import ``lightning_shard.engine`` (DESIGN.md §3).
 """
 
 from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus

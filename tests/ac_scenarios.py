@@ -13,8 +13,8 @@ import lightning as L
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 
-from lightning_shard.core import activation
-from lightning_shard.core import collectives as C
+from lightning_shard.engine import activation
+from lightning_shard.engine.comm import collectives as C
 from tests.foreign import ForeignModule, dataset
 from tests.zoo import RankMicroBatches
 

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, ShardedCheckpointIO, Zero3Strategy, ZeroStrategy
 from tests.scenarios import ResumePoint
 from tests.zoo import MICRO, RankMicroBatches, ZooModule, dataset
@@ -76,7 +76,7 @@ def plain_fit(steps: int, resume_from: Optional[str] = None) -> dict[str, torch.
 
 def save_then_crash(path: str, crash_rank: int) -> str:
     """A sharded save during which ``crash_rank`` dies (SIGKILL-like ``os._exit``) while writing its file."""
-    import lightning_shard.strategies.checkpointing as ck
+    import lightning_shard.checkpoint.io as ck
 
     real = ck.write_rank_file
 

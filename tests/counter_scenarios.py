@@ -10,11 +10,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from tests.c10d_counter import C10dCounter
 from tests.zoo import RankMicroBatches, ZooModule, dataset
 
-OURS = "lightning_shard.core.collectives"
+OURS = "lightning_shard.engine.comm.collectives"
 
 
 class _Logging(ZooModule):

@@ -22,7 +22,7 @@ from datetime import timedelta  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_shard.core import collectives as C  # noqa: E402
+from lightning_shard.engine.comm import collectives as C  # noqa: E402
 
 
 def raw(guard: str, rank: int, port: int) -> None:

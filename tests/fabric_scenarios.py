@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from tests.zoo import VOCAB, RankMicroBatches, TinyLMModule, dataset
 
 

@@ -401,8 +401,8 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
     names whose forward calls are recorded per step (on every rank); ``with_optimizer``: also the optimizer state
     in torch's per-parameter format (``trainer.strategy.optimizer_state``, collective); ``callbacks``: more
     Lightning callbacks for the Trainer."""
-    from lightning_shard.core import collectives as C
-    from lightning_shard.core import hostmem
+    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.comm import hostmem
 
     world, rank = C.get_world_size(), C.get_rank()
     L.seed_everything(0, verbose=False)

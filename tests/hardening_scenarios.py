@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy, ZeroStrategy
 from tests.zoo import TinyLMModule
 

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, nodes: int = 1, parent_
     import torch
 
     torch.set_num_threads(1)
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     C.init_process_group("gloo", rank, world, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
     conn.send_bytes(pickle.dumps((True, READY)))

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from lightning_shard.strategies import Zero3Strategy, ZeroStrategy
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}

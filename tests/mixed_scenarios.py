@@ -87,7 +87,7 @@ def fit_policy(name: str, strategy: str, steps: int, acc: int, param_dtype: Opti
                optimizer: str = "adam", **knobs: Any) -> dict[str, Any]:
     """Inside a World rank: the strategy with ``param_dtype`` (and ``knobs``); rank 0's ``model.state_dict()``
     after fit, the dtypes seen, and this rank's parameter all-gather bytes from the ledger."""
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     mark = C.LEDGER.mark()
     kwargs = dict(knobs)
@@ -108,7 +108,7 @@ def setup_error(name: str, strategy: str, param_dtype: str, precision: str = "32
     """Inside a World rank: fit one step and return the error message the set-up raised ('' if none)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     world, rank = C.get_world_size(), C.get_rank()
     module = ForeignModule(name, "adam")
@@ -129,8 +129,8 @@ def offload_layout(stage: int, offload: bool, offload_params: bool = False) -> d
     """Inside a World rank: an engine over a small MLP, one AdamW step; where the optimizer's tensors live."""
     from torch import nn
 
-    from lightning_shard.core import collectives as C
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.engine import ShardEngine
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -23,12 +23,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from tests.c10d_counter import C10dCounter
 from tests.scenarios import late_all_gather
 
 Z, X, WIDTH, MICRO = 16, 8, 512, 4
-OURS = "lightning_shard.core.collectives"
+OURS = "lightning_shard.engine.comm.collectives"
 
 # the manual-optimization variants of the GAN step (GanModule.training_step)
 GAN_VARIANTS = ("gan", "toggle", "toggle_tiny", "detached", "two_losses", "retain_graph", "manual_acc",

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy, ZeroStrategy
 from tests.zoo import RankMicroBatches, dataset, make_module
 
@@ -33,7 +33,7 @@ class _LateWork:
 @contextmanager
 def slow_all_gather(seconds: float) -> Iterator[None]:
     """Every all-gather takes at least ``seconds`` from issue to completion (a slow link), so that a test can
-    show prefetching hides it: wraps the torch function ``core/collectives.py`` calls, in this process only."""
+    show prefetching hides it: wraps the torch function ``engine/comm/collectives.py`` calls, in this process only."""
     if not seconds:
         yield
         return

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..core.config import PREFETCH_DEPTH
+from ..engine.settings import PREFETCH_DEPTH
 from ..topology import list_presets
 from ..topology.presets import read_preset
 from .models import SIZES

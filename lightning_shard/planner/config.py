@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.config import MIN_UNIT_MB, PREFETCH_DEPTH
-from ..core.quant import DEFAULT_BLOCK, check_quant
+from ..engine.comm.quant import DEFAULT_BLOCK, check_quant
+from ..engine.settings import MIN_UNIT_MB, PREFETCH_DEPTH
 
 PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
     "32-true": (torch.float32, 4, False),
@@ -50,7 +50,7 @@ class StrategyConfig:
     min_params: Optional[int] = None
     min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them
     bucket_mb: float = 25.0
-    prefetch_depth: Optional[int] = None  # None: the strategy's default (core/config.py PREFETCH_DEPTH)
+    prefetch_depth: Optional[int] = None  # None: the strategy's default (engine/settings.py PREFETCH_DEPTH)
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
     overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
     offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
@@ -59,7 +59,7 @@ class StrategyConfig:
     # accelerators planned for), "all_to_all" (what it is on gloo: the reduce-scatter's bytes, a second full-size
     # buffer in flight but on 2 ranks) or "all_reduce" (the bucket all-reduced, twice the bytes)
     reduce_scatter_via: str = "reduce_scatter"
-    # compressed communication (core/quant.py): block-quantized stage-3 parameter gathers / gradient reductions (an
+    # compressed communication (comm/quant.py): block-quantized stage-3 parameter gathers / gradient reductions (an
     # all-to-all of quantized pieces, with an fp32 error-feedback residual per trainable element)
     gather_quant: str = "none"
     reduce_quant: str = "none"

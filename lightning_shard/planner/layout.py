@@ -1,7 +1,7 @@
 """The engine's flat-buffer layout, predicted without building an engine (no collectives, no copies).
 
-The bucketing rules are the engine's own (:mod:`lightning_shard.core.plan`, units from
-:func:`lightning_shard.core.units.plan_units`, flat layouts from :func:`lightning_shard.core.flat.build_layout`);
+The bucketing rules are the engine's own (:mod:`lightning_shard.engine.buckets.plan`, units from
+:func:`..engine.zero3.plan.plan_units`, flat layouts from :func:`lightning_shard.engine.buckets.flat.build_layout`);
 this module only adds the sizes the planner needs: stage 0 keeps one "shard" (no padding), stages 1-3 pad
 every bucket to a multiple of the shard group size. Parameters may live on the meta device.
 """
@@ -14,10 +14,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..core.config import MIN_UNIT_MB
-from ..core.flat import build_layout
-from ..core.plan import OptimizerGroups, bucketed_trainable, flat_buckets, param_owners, unit_buckets
-from ..core.units import plan_units
+from ..engine.buckets.flat import build_layout
+from ..engine.buckets.plan import OptimizerGroups, bucketed_trainable, flat_buckets, param_owners, unit_buckets
+from ..engine.settings import MIN_UNIT_MB
+from ..engine.zero3.plan import plan_units
 
 __all__ = ["OptimizerGroups", "PlannedBucket", "PlannedLayout", "PlannedUnit", "default_groups", "groups_of",
            "plan_layout"]

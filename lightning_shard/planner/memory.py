@@ -42,8 +42,8 @@ from typing import Optional
 
 import torch
 
-from ..core.quant import piece_bytes
-from ..core.sync import IN_FLIGHT
+from ..engine.buckets.sync import IN_FLIGHT
+from ..engine.comm.quant import piece_bytes
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 
@@ -177,12 +177,12 @@ def peak_bytes(layout: PlannedLayout, cfg: StrategyConfig, job: Job, activations
         rd = _reduce_dtype(cfg, b)
         extra = (b.padded_numel * _SIZE[rd] if rd != b.dtype else 0) + \
             (b.shard_numel * _SIZE[rd] if layout.stage >= 2 or (layout.stage == 1 and rd != b.dtype) else 0)
-        if cfg.reduce_quant != "none" and b.num_shards > 1:  # core/quant.py: the pieces sent and received (bytes)
+        if cfg.reduce_quant != "none" and b.num_shards > 1:  # comm/quant.py: the pieces sent and received (bytes)
             # and the received pieces dequantized to fp32, besides the fp32 output shard
             pieces = b.num_shards * piece_bytes(cfg.reduce_quant, cfg.quant_block, b.shard_numel)
             extra = 2 * pieces + b.padded_numel * 4 + b.shard_numel * 4
         elif layout.stage >= 1 and cfg.reduce_scatter_via == "all_to_all":
-            if b.num_shards == 2:  # the other rank's piece arrives in the shard itself (core/collectives.py
+            if b.num_shards == 2:  # the other rank's piece arrives in the shard itself (engine/comm/collectives.py
                 # ``exchange_pair``); stage 1 reduces in place into its own range, whose piece must wait for it
                 extra += b.shard_numel * _SIZE[rd] if layout.stage == 1 and rd == b.dtype else 0
             else:  # every rank's pieces of this rank's range

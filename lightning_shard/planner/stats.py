@@ -2,7 +2,7 @@
 
 Parameters are read from the module (the meta device is fine: only shapes and dtypes are used); a tied
 weight counts once (``named_parameters`` deduplicates). Per-unit sizes reuse the engine's own
-:func:`lightning_shard.core.units.plan_units`, so they are the units stage 3 would gather.
+:func:`lightning_shard.engine.zero3.plan.plan_units`, so they are the units stage 3 would gather.
 
 Activation bytes per transformer layer follow Korthikanti et al. 2022, "Reducing Activation Recomputation
 in Large Transformer Models" (arXiv:2205.05198), section 4.1: ``s·b·h·(34 + 5·a·s/h)`` bytes with 16-bit
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..core.units import plan_units
+from ..engine.zero3.plan import plan_units
 
 
 @dataclass(frozen=True)

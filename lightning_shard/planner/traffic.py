@@ -1,20 +1,20 @@
 """Collectives per optimizer step, predicted from the engine's layout: op, group, bytes, wire bytes.
 
-``step_collectives`` lists what the ledger (``core/collectives.py``) records over one optimizer step of
+``step_collectives`` lists what the ledger (``engine/comm/collectives.py``) records over one optimizer step of
 ``accumulation`` micro-batches, with the same ``bytes`` (full padded tensor) and ``wire_bytes`` (ring bytes
 per rank, nccl-tests busbw factors: RS/AG (N-1)/N, AR 2(N-1)/N, broadcast 1x;
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The rules are the engine's:
 
-stages 0-2 (``core/engine.py``): each trainable bucket is all-reduced (stage 0) or reduce-scattered on the
+stages 0-2 (``engine/engine.py``): each trainable bucket is all-reduced (stage 0) or reduce-scattered on the
 boundary micro-batch, or on every micro-batch with ``per_micro_batch``; stages 1/2 all-gather every bucket
-after the step. Stage 3 (``core/param_shard.py``): every unit's buckets (frozen ones too) are gathered in forward
+after the step. Stage 3 (``engine/zero3/controller.py``): every unit's buckets (frozen ones too) are gathered in forward
 and again in backward (``reshard_after_forward``; the root unit's not again: it stays gathered into backward), once
 per micro-batch without it, once per step with ``keep_params``; trainable buckets are reduce-scattered per
 micro-batch or at the boundary only. Hybrid:
 one all-reduce of the rank's owned shard per trainable bucket on the replicate group at the boundary.
 ``secondary_shard`` (hpZ): a bucket's first gather of the step is on the gather group, its others on the island
 group, from the kept copies (exact bytes). ``gather_quant`` / ``reduce_quant``: those gathers and reductions carry
-the quantized pieces' bytes (core/quant.py: integers + 4 bytes per ``quant_block`` elements per piece; reductions
+the quantized pieces' bytes (engine/comm/quant.py: integers + 4 bytes per ``quant_block`` elements per piece; reductions
 become all-to-alls). Step extras: used-mask all-reduce (``find_unused_parameters``), fp16 overflow flag, clipping
 norm, buffer broadcast per dtype.
 
@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..core.collectives import Ledger, ring_wire_bytes
-from ..core.quant import piece_bytes
+from ..engine.comm.collectives import Ledger, ring_wire_bytes
+from ..engine.comm.quant import piece_bytes
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 
@@ -102,7 +102,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                         out.append(Collective("all_gather", "island", cfg.secondary_shard, b.padded_numel * b.itemsize,
                                               "unshard", phase, m, b.index))
                         continue
-                    # parameter gathers run on a copy of the shard group of their own (core/engine.py: gather_group)
+                    # parameter gathers run on a copy of the shard group of their own (engine/engine.py: gather_group)
                     nbytes = (S * piece_bytes(cfg.gather_quant, cfg.quant_block, b.shard_numel)
                               if cfg.gather_quant != "none" and S > 1 else b.padded_numel * b.itemsize)
                     out.append(Collective("all_gather", "gather", S, nbytes, "unshard", phase, m, b.index))
@@ -111,7 +111,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
                 rd = _reduce_dtype(cfg, b.dtype)
                 op = "all_reduce" if layout.stage == 0 else cfg.reduce_scatter_via
                 nbytes = b.padded_numel * _ITEMSIZE[rd]
-                if cfg.reduce_quant != "none" and S > 1:  # quantized pieces in an all-to-all (core/quant.py)
+                if cfg.reduce_quant != "none" and S > 1:  # quantized pieces in an all-to-all (engine/comm/quant.py)
                     op, nbytes = "all_to_all", S * piece_bytes(cfg.reduce_quant, cfg.quant_block, b.shard_numel)
                 out.append(Collective(op, gname, S, nbytes, "grad", "backward", m, b.index))
         if boundary and hybrid:
@@ -130,7 +130,7 @@ def step_collectives(layout: PlannedLayout, cfg: StrategyConfig, job: Job, buffe
         if job.clip and layout.stage > 0 and S > 1:
             out.append(Collective("all_reduce", gname, S, 4, "grad_norm", "step", last))
         if layout.stage in (1, 2) and S > 1:  # a shard group of one rank has nothing to gather
-            for b in mine:  # on the copy of the shard group, as stage 3's gathers (core/engine.py: gather_group)
+            for b in mine:  # on the copy of the shard group, as stage 3's gathers (engine/engine.py: gather_group)
                 out.append(Collective("all_gather", "gather", S, b.padded_numel * b.itemsize, "param", "step", last))
         if job.broadcast_buffers and N > 1:
             for nbytes in buffers:

@@ -4,8 +4,8 @@ names in both registries."""
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ..checkpoint.io import ShardedCheckpointIO
 from .auto import AutoStrategy
-from .checkpointing import ShardedCheckpointIO
 from .fabric import (
     FABRIC_CLASSES,
     FSDPShardFabricStrategy,

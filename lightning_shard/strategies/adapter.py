@@ -1,6 +1,6 @@
 """What the Trainer strategies (``zero.py``, ``zero3.py``) and the Fabric strategies (``fabric.py``) share: the
 knobs, the process group and device groups, the accumulation rule and the construction of the engine. The core
-(``lightning_shard.core``) knows no Lightning; this mixin knows no Trainer and no Fabric.
+(``lightning_shard.engine``) knows no Lightning; this mixin knows no Trainer and no Fabric.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Generator, Optional
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-from ..core import collectives as C
-from ..core.config import UnitConfig
-from ..core.engine import ShardEngine
+from ..engine.comm import collectives as C
+from ..engine.engine import ShardEngine
+from ..engine.settings import UnitConfig
 from .config import ZeroConfig
 from .layout import Groups, check_job_placement, make_groups, resolve_topology
 

@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from ..core.activation import validate_spec
-from ..core.config import MIN_UNIT_MB, PREFETCH_DEPTH, parse_param_dtype, parse_reduce_dtype
-from ..core.quant import check_quant
+from ..engine.activation import validate_spec
+from ..engine.comm.quant import check_quant
+from ..engine.settings import MIN_UNIT_MB, PREFETCH_DEPTH, parse_param_dtype, parse_reduce_dtype
 from .layout import validate_secondary_shard, validate_shard_size
 
 
@@ -131,7 +131,7 @@ class ZeroConfig:
     startup_timeout_s: float = knob(1800.0, """How long the ranks may take to find each other at start-up: slow
         imports on a loaded machine or ranks started minutes apart by a scheduler are not a collective timeout.""")
     allow_custom_optimizer: bool = knob(False, "Accept optimizers not known to be element-wise (see "
-                                               "``core/optim.py``).")
+                                               "``engine/buckets/optim.py``).")
     find_unused_parameters: bool = knob(True, """``True``: parameters that got no gradient on any rank in a window are
         left out of the step exactly as torch leaves a parameter whose ``.grad`` is None (no momentum, weight decay or
         Adam step), so the result is that of one process; costs one all-reduce of one byte per parameter per optimizer
@@ -163,7 +163,7 @@ class ZeroConfig:
         (off), ``"auto"`` (the blocks held in ``nn.ModuleList``s, as ``wrap_classes="auto"`` finds them) or module
         classes / class names (``["GPT2Block"]``). Each block's training forward runs under non-reentrant
         ``torch.utils.checkpoint``, replaced on the instance (parameter names and checkpoints unchanged); stage 3
-        gathers each unit once in backward, the recomputation included. Logged once at setup (core/activation.py).""")
+        gathers each unit once in backward, the recomputation included. Logged once at setup (engine/activation.py).""")
 
     # ------------------------------------------------------------------ the knobs, as data
     @classmethod
@@ -282,7 +282,7 @@ class Zero3Config(ZeroConfig):
     leaf_modules: Any = knob(None, """Module classes, class names or FQNs whose whole subtree is one unit, gathered in
         the leaf's own forward (a mixture-of-experts block, a module whose code reads its children's weights). A
         parameter read by a parent's code (``self.out_proj.weight``) is put in the parent's unit automatically, and
-        uses the scan misses are found in the first step (core/guard.py).""")
+        uses the scan misses are found in the first step (engine/zero3/guard.py).""")
 
     def validate(self, owner: Optional[str] = None) -> "Zero3Config":
         if not isinstance(self.reshard_after_forward, bool):

@@ -45,18 +45,18 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from ..core import activation
-from ..core import collectives as C
-from ..core.checkpoint import CheckpointError, Reader, is_sharded_checkpoint, model_mismatch
-from ..core.config import parse_param_dtype
-from ..core.consolidate import model_state
-from ..core.dcp import is_dcp_checkpoint
-from ..core.deferred import DeferredInit, has_meta_tensors
-from ..core.engine import sync_module_states
-from ..core.engine_ckpt import load_pieces
-from ..core.scaler import LossScaler
+from ..checkpoint.consolidate import model_state
+from ..checkpoint.dcp import is_dcp_checkpoint
+from ..checkpoint.format import CheckpointError, Reader, is_sharded_checkpoint, model_mismatch
+from ..checkpoint.io import checkpoint_shapes, model_shapes, open_reader, save_dcp, save_sharded
+from ..checkpoint.pieces import load_pieces
+from ..engine import activation
+from ..engine.comm import collectives as C
+from ..engine.engine import sync_module_states
+from ..engine.scaler import LossScaler
+from ..engine.settings import parse_param_dtype
+from ..engine.zero3.deferred import DeferredInit, has_meta_tensors
 from .adapter import EngineAdapter
-from .checkpointing import checkpoint_shapes, model_shapes, open_reader, save_dcp, save_sharded
 from .config import FSDPConfig, Zero3Config, ZeroConfig
 from .knobs import describe, takes_knobs_of
 from .precision import check_grads, sharded_step

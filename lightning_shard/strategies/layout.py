@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Union
 
-from ..core import collectives as C
+from ..engine.comm import collectives as C
 from ..topology import Topology, build_layout, check_placement
 from ..topology.presets import resolve
 

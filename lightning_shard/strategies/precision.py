@@ -18,10 +18,10 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
-from ..core.scaler import LossScaler
+from ..engine.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from ..core.engine import ShardEngine
+    from ..engine.engine import ShardEngine
 
 SUPPORTED = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 

@@ -21,13 +21,13 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from ..core import activation
-from ..core import collectives as C
-from ..core.config import parse_param_dtype
-from ..core.engine import sync_module_states
+from ..checkpoint.io import CheckpointMixin
+from ..engine import activation
+from ..engine.comm import collectives as C
+from ..engine.engine import sync_module_states
+from ..engine.settings import parse_param_dtype
 from . import summary
 from .adapter import EngineAdapter
-from .checkpointing import CheckpointMixin
 from .config import ZeroConfig
 from .knobs import LIGHTNING_ARGS, describe, takes_knobs_of
 from .precision import ShardedPrecision
@@ -150,7 +150,7 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
 
     def _checkpoint_activations(self) -> None:
         """``activation_checkpointing``: the chosen blocks' forwards recompute in backward (before the engine hooks
-        the modules; core/activation.py). Undone in teardown."""
+        the modules; engine/activation.py). Undone in teardown."""
         if self._checkpointing is not None:
             self._checkpointing.remove()
             self._checkpointing = None

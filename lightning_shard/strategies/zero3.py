@@ -16,7 +16,7 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
-from ..core.deferred import DeferredInit, has_meta_tensors
+from ..engine.zero3.deferred import DeferredInit, has_meta_tensors
 from .config import FSDPConfig, Zero3Config
 from .knobs import describe, takes_knobs_of
 from .zero import ZeroStrategy

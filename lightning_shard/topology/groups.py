@@ -1,7 +1,7 @@
 """Device groups of a job: shard groups inside islands/nodes, replicate groups across them.
 
 Everything here is plain rank lists; process groups are created from them elsewhere, through
-core/collectives.py. Ranks are numbered node-major (rank = node * local_world + local_rank, as torchrun
+engine/comm/collectives.py. Ranks are numbered node-major (rank = node * local_world + local_rank, as torchrun
 and SLURM do) and local rank k runs on the k-th device of `cuda_visible_devices[node]`, which orders the
 devices so that islands are contiguous: shard groups of consecutive ranks then stay inside an island.
 """

@@ -182,7 +182,7 @@ def test_console_command_reports_bad_input_before_launch():
 def test_last_checkpoint_holds_the_final_step_off_the_interval_under_zero3(tmp_path):
     """``last.ckpt`` is saved every validation interval (2 steps here) and after the final step (3): under zero3
     too, where the module is whole after fit (a save then would be a full file over the sharded folder)."""
-    from lightning_shard.core.checkpoint import Reader
+    from lightning_shard.checkpoint.format import Reader
 
     run = tmp_path / "run"
     _run(["strategy=zero3", "recipe=gpt_test", "trainer=quiet", "trainer.max_steps=3", f"hydra.run.dir={run}"])

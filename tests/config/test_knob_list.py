@@ -39,7 +39,7 @@ ALLOWED = {
     ("planner/advice.py", "CLASS_DEFAULTS"): "mirror of the defaults for the planner, compared below",
     ("planner/config.py", "Job"): "the planner's model of a job (accumulation steps, DDP-like flags)",
     ("app/schema.py", "DDPStrategyConf"): "Lightning's DDPStrategy keywords, not ours",
-    ("core/config.py", "UnitConfig"): "the engine's own parameters; core imports torch only",
+    ("engine/settings.py", "UnitConfig"): "the engine's own parameters; core imports torch only",
     ("strategies/__init__.py", "REGISTERED"): "registry presets: the few values a registered name sets",
     ("strategies/adapter.py", "ATTRIBUTE_OF"): "the knobs stored under another attribute name",
 }
@@ -145,9 +145,9 @@ def test_planner_mirrors_agree_with_the_configs():
 
 
 def test_prefetch_depth_defaults_agree_from_knob_to_engine_and_planner():
-    """zero3 gathers 3 units ahead, fsdp_shard 1 (core/config.py PREFETCH_DEPTH): the strategies' knobs, the engine's
+    """zero3 gathers 3 units ahead, fsdp_shard 1 (settings.py): the strategies' knobs, the engine's
     UnitConfig when none is given, and the planner's rows say the same."""
-    from lightning_shard.core.config import PREFETCH_DEPTH, UnitConfig
+    from lightning_shard.engine.settings import PREFETCH_DEPTH, UnitConfig
     from lightning_shard.planner.config import StrategyConfig
 
     assert PREFETCH_DEPTH == {"zero3": 3, "fsdp": 1}

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard.core import collectives as C
-from lightning_shard.core.engine import ShardEngine
+from lightning_shard.engine.comm import collectives as C
+from lightning_shard.engine.engine import ShardEngine
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_engine_phases_are_profiler_labels(w):
 
 
 def stage3_labels() -> list[str]:
-    from lightning_shard.core.config import UnitConfig
+    from lightning_shard.engine.settings import UnitConfig
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -267,7 +267,7 @@ def test_zero2_holds_full_gradients_only_for_the_buckets_in_flight(w, stage):
     arrives and freed once its reduce-scatter is done (at most IN_FLIGHT outstanding), not held for the whole
     backward; ZeRO-1 keeps them all (its gradients are full by definition). Accumulating micro-batches under
     ``defer`` keep every buffer until the boundary, as they must."""
-    from lightning_shard.core.sync import IN_FLIGHT
+    from lightning_shard.engine.buckets.sync import IN_FLIGHT
 
     r = w.run(full_grad_bytes_during_backward, stage, 1)[0]
     assert r["buckets"] == 8

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard.core import collectives as C
-from lightning_shard.core.bucket import Bucket
-from lightning_shard.core.spec import ShardSpec
-from lightning_shard.core.state import GradState
+from lightning_shard.engine.buckets.bucket import Bucket
+from lightning_shard.engine.comm import collectives as C
+from lightning_shard.engine.spec import ShardSpec
+from lightning_shard.engine.states import GradState
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ WRAP = ["Block"]
 
 def _cfg(stage: int, policy: str, **kw) -> StrategyConfig:
     """The planner's row for the fit: these ranks run gloo with the default ``reduce_scatter_via="auto"``, i.e. each
-    gradient reduce-scatter is an all-to-all of the bucket and a sum (core/collectives.py), and the planner is told
+    gradient reduce-scatter is an all-to-all of the bucket and a sum (comm/collectives.py), and the planner is told
     so."""
     name = {0: "zero0", 1: "zero1", 2: "zero2"}.get(stage, "fsdp_shard" if "wrap_classes" in kw else "zero3")
     return StrategyConfig(name, stage, policy, bucket_mb=SMALL_BUCKETS if stage < 3 else 25.0,

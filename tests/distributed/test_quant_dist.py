@@ -1,4 +1,4 @@
-"""Compressed communication on 2 gloo ranks (``gather_quant``, ``reduce_quant``; core/quant.py): the ledger's bytes
+"""Compressed communication on 2 gloo ranks (``gather_quant``, ``reduce_quant``; comm/quant.py): the ledger's bytes
 against the formula, counts per micro-batch, what the gathers deliver (quantized in training, exact for export and
 after fit), and error feedback's long-run sum."""
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard.core import collectives as C
-from lightning_shard.core import quant as Q
-from lightning_shard.core.bucket import Bucket
-from lightning_shard.core.config import UnitConfig
-from lightning_shard.core.engine import ShardEngine
-from lightning_shard.core.spec import ShardSpec
-from lightning_shard.core.state import GradState
+from lightning_shard.engine.buckets.bucket import Bucket
+from lightning_shard.engine.comm import collectives as C
+from lightning_shard.engine.comm import quant as Q
+from lightning_shard.engine.engine import ShardEngine
+from lightning_shard.engine.settings import UnitConfig
+from lightning_shard.engine.spec import ShardSpec
+from lightning_shard.engine.states import GradState
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """``activation_checkpointing`` (issue 15): a knob of every strategy that recomputes the chosen blocks' activations in
-backward (core/activation.py).
+backward (engine/activation.py).
 
 On models the project did not write (Hugging Face GPT-2, torch's ``nn.TransformerEncoder`` whose
 ``nn.MultiheadAttention`` reads ``out_proj.weight`` itself), every other knob at its default, fp32 SGD with momentum:
@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard.core import activation
+from lightning_shard.engine import activation
 from lightning_shard.strategies import AutoStrategy, FSDPShardStrategy, Zero0Strategy, Zero2Strategy, Zero3Strategy
 from tests.ac_scenarios import fit_ac, load_ac, setup_error
 from tests.foreign import diff, reference_state

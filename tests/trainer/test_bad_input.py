@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard.core.engine import ShardEngine
+from lightning_shard.engine.engine import ShardEngine
 from lightning_shard.strategies import Zero1Strategy, Zero2Strategy, ZeroStrategy
 from tests.harness import fresh_world
 

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 
 from lightning_shard.callbacks import CommSummary
-from lightning_shard.core.collectives import LEDGER
+from lightning_shard.engine.comm.collectives import LEDGER
 from recipes.corpus import StdlibTextDataModule
 from recipes.gpt import GPTLightningModule
 

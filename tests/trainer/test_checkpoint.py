@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_shard.checkpoint.consolidate import lightning_checkpoint
+from lightning_shard.checkpoint.format import CheckpointError, Reader
 from lightning_shard.cli import main as cli
-from lightning_shard.core.checkpoint import CheckpointError, Reader
-from lightning_shard.core.consolidate import lightning_checkpoint
 from tests.ckpt_scenarios import fit_ckpt, plain_fit, save_then_crash
 from tests.harness import fresh_world
 from tests.zoo import ZooNet, max_diff, params_of
@@ -91,7 +91,7 @@ def _fit_top1(path: str) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
     from tests.ckpt_scenarios import make
     from tests.zoo import RankMicroBatches, ZooModule, dataset
 
@@ -200,7 +200,7 @@ def test_commit_is_atomic_at_every_step(tmp_path, monkeypatch):
     version, the old one until the index is swapped, the new one after."""
     import os as _os
 
-    from lightning_shard.core import checkpoint as ck
+    from lightning_shard.checkpoint import format as ck
 
     def version(tag: str) -> Path:
         data, root = ck.data_dir_for(tmp_path / "x.ckpt", tag)
@@ -275,7 +275,7 @@ def _resume_resized(kind: str, path: str) -> str:
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
     from tests.ckpt_scenarios import make
     from tests.zoo import RankMicroBatches, ZooModule, dataset
 

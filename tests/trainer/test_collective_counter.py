@@ -3,7 +3,7 @@ torch.distributed's own functions (tests/c10d_counter.py), per micro-batch and o
 
 Lightning itself calls torch.distributed once per training batch, outside any strategy method: the SIGTERM
 broadcast of ``training_epoch_loop._broadcast_sigterm_tensor`` (before ``on_train_batch_start``). It is the only
-call not made through ``lightning_shard.core.collectives`` (README, "Collectives Lightning makes itself").
+call not made through ``lightning_shard.engine.comm.collectives`` (README, "Collectives Lightning makes itself").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_ledger_equals_independent_count_per_micro_batch_on_every_rank(worlds, s
             assert w["ours"] == w["ledger"], (rank, i, w["ours"], w["ledger"])
             assert w["ours"]["all_reduce"] >= 1  # the sync_dist metric, at least
         assert res["total_ours"] == res["total_ledger"], (rank, res["total_ours"], res["total_ledger"])
-        # every call from lightning_shard went through core/collectives.py; Lightning's own: one per batch
+        # every call from lightning_shard went through engine/comm/collectives.py; Lightning's own: one per batch
         assert not any(who.startswith("lightning_shard") for _, who in res["others"]), res["others"]
         assert res["others"] == {LIGHTNING_SIGTERM: 4 * acc}, res["others"]
     # the same collectives on every rank, micro-batch by micro-batch

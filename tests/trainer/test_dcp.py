@@ -67,8 +67,8 @@ def test_dcp_directory_consolidates_with_dcp_tools(world, tmp_path):
     assert (len(groups[0]), len(groups[1])) == (10, 18)  # the decay / no-decay groups, by parameter name
     assert set(groups[0]) | set(groups[1]) <= set(out["state"])
     assert full["optimizer_0.param_groups.1.lr"] == 0.05
+    from lightning_shard.checkpoint.dcp import DCPReader
     from lightning_shard.cli import main  # and our own consolidation reads DCP directories
-    from lightning_shard.core.dcp import DCPReader
 
     reader = DCPReader(ckpt)  # one DCP load per range read, but the metadata file is read once
     names = reader.keys("param/")

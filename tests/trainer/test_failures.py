@@ -50,8 +50,8 @@ def straight(tmp_path_factory):
     """The uninterrupted job's final weights, and its weights after 4 steps: what a job that trained only the 4
     steps a resume from step 4 runs ends at if it started from scratch (the data is the same every epoch, in the
     same order, and the seed is fixed)."""
-    from lightning_shard.core.checkpoint import Reader
-    from lightning_shard.core.consolidate import lightning_checkpoint
+    from lightning_shard.checkpoint.consolidate import lightning_checkpoint
+    from lightning_shard.checkpoint.format import Reader
 
     out = tmp_path_factory.mktemp("straight")
     code, output, _ = run_job("straight", out)
@@ -117,7 +117,7 @@ class _Evil:
 
 
 def test_malicious_pickle_is_refused(tmp_path):
-    from lightning_shard.core.checkpoint import CheckpointError, Reader
+    from lightning_shard.checkpoint.format import CheckpointError, Reader
     from lightning_shard.strategies import ShardedCheckpointIO, Zero2Strategy
 
     marker = Path("/tmp/lightning_shard_pwned")

@@ -15,8 +15,8 @@ import functools
 import pytest
 import torch
 
-from lightning_shard.core import collectives as C
-from lightning_shard.core import hostmem
+from lightning_shard.engine.comm import collectives as C
+from lightning_shard.engine.comm import hostmem
 from tests.foreign import MODELS, ForeignModule, diff, fit_foreign, reference_state
 
 pytestmark = pytest.mark.slow  # the foreign-model parity matrix, ~95 s

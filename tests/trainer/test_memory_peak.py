@@ -18,7 +18,7 @@ zero1      4+4+8/N Psi      = 3 M     288 MiB    + M/2: the other rank's piece o
                                                  end of backward
 zero2      4+4/N+8/N Psi    = 2.5 M   240 MiB    + at most 3 buckets (bucket_mb=4) of full gradients   ~315 MiB
 zero3      16/N Psi         = 2 M     192 MiB    + M: stage 3 waits no reduction inside backward        ~358 MiB
-                                                 (core/sync.py), so every unit's full gradients are
+                                                 (engine/buckets/sync.py), so every unit's full gradients are
                                                  alive at its end (+ the gathered units, 4 MiB each)
 =========  =========================  =========  ====================================================  ============
 

@@ -97,7 +97,7 @@ def test_on_cuda_the_host_side_is_pinned_and_the_step_matches(stage):
     state on the host, pinned; the weights after three AdamW steps equal the same engine without offload."""
     from torch import nn
 
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine.engine import ShardEngine
 
     out = []
     for offload in (False, True):
@@ -175,7 +175,7 @@ def test_offload_params_needs_stage_3_and_offload_optimizer():
 def test_offload_on_cpu_parameters_says_it_saves_nothing():
     from torch import nn
 
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine.engine import ShardEngine
 
     model = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="host memory is the device memory here, so nothing is saved"):

@@ -37,7 +37,7 @@ class CapturingRichSummary(RichModelSummary):
 
 
 def fit_and_show(strategy: str, log_dir: str, rich: bool) -> dict[str, Any]:
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     world, rank = C.get_world_size(), C.get_rank()
     torch.set_num_threads(1)

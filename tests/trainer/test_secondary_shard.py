@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-from lightning_shard.core import collectives as C
+from lightning_shard.engine.comm import collectives as C
 from tests.foreign import fit_foreign
 from tests.trainer.test_foreign_models import STEPS, TOL, check, reference
 

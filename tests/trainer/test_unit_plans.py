@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_shard.core.reads import child_parameter_reads
-from lightning_shard.core.units import describe_plan, plan_units
+from lightning_shard.engine.zero3.plan import describe_plan, plan_units
+from lightning_shard.engine.zero3.reads import child_parameter_reads
 from tests.foreign import fit_foreign, reference_state
 
 
@@ -154,7 +154,7 @@ def test_merging_never_takes_a_unit_above_a_64th_of_the_model():
 
 
 def test_completion_order_puts_enclosing_units_after_what_they_enclose():
-    from lightning_shard.core.unit import completion_order
+    from lightning_shard.engine.zero3.unit import completion_order
 
     names = {0: "emb", 1: "blocks.0", 2: "blocks.0.attn", 3: "blocks.0.mlp", 4: "blocks.1", 5: "blocks.1.mlp",
              6: "head"}
@@ -248,7 +248,7 @@ def fit_indexed() -> dict:
     import lightning as L
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     class M(L.LightningModule):
         def __init__(self) -> None:

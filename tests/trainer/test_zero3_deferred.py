@@ -154,7 +154,7 @@ def test_fsdp_needs_a_policy():
 
 
 def _units(model: nn.Module, **kw):
-    from lightning_shard.core.units import plan_units
+    from lightning_shard.engine.zero3.plan import plan_units
 
     return plan_units(model, "fsdp", kw.get("wrap_classes"), kw.get("min_params"))
 
@@ -182,7 +182,7 @@ def test_wrap_policy_splitting_tied_weights():
     with pytest.raises(ValueError, match="tied across units"):
         _units(Tied(), wrap_classes=["Embedding", "Linear"])
     # zero3 granularity hoists the tied weight into the root unit instead
-    from lightning_shard.core.units import plan_units
+    from lightning_shard.engine.zero3.plan import plan_units
 
     specs = plan_units(Tied(), "zero3")
     assert specs[0].name == "<root>" and specs[0].names == ["emb.weight"]

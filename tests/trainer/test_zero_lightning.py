@@ -44,7 +44,7 @@ def counted_run(worlds, stage: int, policy: str, acc: int, via: str = "auto") ->
 def grad_op(stage: int, via: str) -> str:
     """The collective a gradient bucket's reduction is on these (gloo) ranks: zero0 all-reduces; zero1-3
     reduce-scatter, which ``reduce_scatter_via="auto"`` runs as an all-to-all and a sum on gloo
-    (core/collectives.py ``reduce_scatter_path``)."""
+    (engine/comm/collectives.py ``reduce_scatter_path``)."""
     if stage == 0:
         return "all_reduce"
     return {"auto": "all_to_all"}.get(via, via)
@@ -95,7 +95,7 @@ NATIVE = [(2, "defer"), (2, "per_micro_batch"), (3, "per_micro_batch"), (3, "kee
 
 
 def _gather_paths() -> list[str]:
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     return [C.all_gather_path("auto", None, C.BROADCAST_MIN_BYTES - 4), C.all_gather_path("auto", None,
             C.BROADCAST_MIN_BYTES), C.all_gather_path("auto", None), C.all_gather_path("all_gather", None, 2**30),
@@ -106,7 +106,7 @@ def test_all_gather_path_by_backend_and_size(worlds):
     """On gloo ``"auto"`` takes broadcasts from 1 MiB of output up (or when the size is not given), the backend's
     all-gather below; an explicit choice holds at any size; a wrong one is refused."""
     assert worlds(2).run(_gather_paths)[0] == ["all_gather", "broadcast", "broadcast", "all_gather", "broadcast"]
-    from lightning_shard.core import collectives as C
+    from lightning_shard.engine.comm import collectives as C
 
     with pytest.raises(ValueError, match="all_gather_via must be one of"):
         C.all_gather_path("ring")
@@ -334,8 +334,8 @@ def test_checkpoint_resume_is_exact(worlds, tmp_path, stage, kind):
     if kind == "full":
         saved = torch.load(ckpt, weights_only=False)
     else:
-        from lightning_shard.core.checkpoint import Reader
-        from lightning_shard.core.consolidate import lightning_checkpoint
+        from lightning_shard.checkpoint.consolidate import lightning_checkpoint
+        from lightning_shard.checkpoint.format import Reader
 
         assert (tmp_path / "epoch=0-step=3.ckpt" / "meta.json").is_file()
         saved = lightning_checkpoint(Reader(ckpt))

@@ -1,4 +1,4 @@
-"""Stages 0-2 bucketing (core/plan.py ``flat_buckets``).
+"""Stages 0-2 bucketing (engine/buckets/plan.py ``flat_buckets``).
 
 A bucket holds every param group of its optimizer (weight-decay and no-decay parameters share it, as in DDP's
 buckets): one collective per bucket, each group a contiguous run inside it. Before issue 16 buckets were per param
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_shard.core.plan import bucketed_trainable, flat_buckets
+from lightning_shard.engine.buckets.plan import bucketed_trainable, flat_buckets
 from tests.optional import require
 
 

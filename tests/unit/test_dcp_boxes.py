@@ -1,4 +1,4 @@
-"""core/dcp.py's cut of a flat range into DCP boxes: exact cover, order, contiguity (hypothesis)."""
+"""checkpoint/dcp.py's cut of a flat range into DCP boxes: exact cover, order, contiguity (hypothesis)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_shard.core.dcp import boxes
+from lightning_shard.checkpoint.dcp import boxes
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""core/hostmem.py: the huge-page advice on the engine's per-step host buffers (knob ``huge_pages``).
+"""engine/comm/hostmem.py: the huge-page advice on the engine's per-step host buffers (knob ``huge_pages``).
 
 What is ours is the call: the right range (the 2 MiB-aligned interior of the buffer), before the first write, only
 where it can help. Whether the kernel then finds free huge pages is the kernel's business, so the check is the
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lightning_shard.core import hostmem
+from lightning_shard.engine.comm import hostmem
 
 MIB = 1 << 20
 needs_thp = pytest.mark.skipif(not hostmem.available(), reason=f"no transparent huge pages to advise here "

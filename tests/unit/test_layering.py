@@ -3,9 +3,9 @@ inside functions) and on the attribute chains that reach ``torch.distributed`` w
 
 The layer map: core imports torch only (and the core); topology imports no torch, no Lightning and no other
 layer; planner and topology never import the strategies or the app; recipes never import the core; only
-``app/`` and ``train.py`` import Hydra; only ``core/collectives.py`` calls ``torch.distributed`` (its ``checkpoint``
-package is allowed where checkpoints live: core/checkpoint.py, core/engine_ckpt.py, core/dcp.py,
-strategies/checkpointing.py).
+``app/`` and ``train.py`` import Hydra; only ``comm/collectives.py`` calls ``torch.distributed`` (its ``checkpoint``
+package is allowed where checkpoints live: checkpoint/format.py, checkpoint/pieces.py, checkpoint/dcp.py,
+checkpoint/io.py).
 Each rule is also checked against a made-up module that breaks it, so a rule that cannot fail is caught."""
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def _files(sub: str) -> list[Path]:
 
 
 def test_core_imports_torch_only():
-    for f in _files("lightning_shard/core"):
+    for f in _files("lightning_shard/engine"):
         for name in _imports(f):
             top = name.split(".")[0]
             assert top not in ("lightning", "pytorch_lightning", "hydra", "omegaconf"), f"{f}: imports {name}"
             if top == "lightning_shard":
-                assert name.startswith("lightning_shard.core"), f"{f}: core must not import {name}"
+                assert name.startswith("lightning_shard.engine"), f"{f}: core must not import {name}"
 
 
 def test_hydra_only_in_the_app():
@@ -58,7 +58,7 @@ def test_hydra_only_in_the_app():
 def test_recipes_do_not_reach_into_core():
     for f in _files("recipes"):
         for name in _imports(f):
-            assert not name.startswith("lightning_shard.core"), f"{f}: recipes must not import {name}"
+            assert not name.startswith("lightning_shard.engine"), f"{f}: recipes must not import {name}"
 
 
 def test_no_pytorch_lightning_namespace():
@@ -67,7 +67,7 @@ def test_no_pytorch_lightning_namespace():
             assert not name.startswith("pytorch_lightning"), f"{f}: use the `lightning` package"
 
 
-CHECKPOINT_FILES = {"core/checkpoint.py", "core/engine_ckpt.py", "core/dcp.py", "strategies/checkpointing.py"}
+CHECKPOINT_FILES = {"checkpoint/format.py", "checkpoint/pieces.py", "checkpoint/dcp.py", "checkpoint/io.py"}
 _THIRD_PARTY_HEAVY = ("torch", "lightning", "pytorch_lightning", "hydra", "omegaconf")
 
 
@@ -111,13 +111,13 @@ def upward_violations(f: Path, source: Optional[str] = None) -> list[str]:
 
 def distributed_violations(f: Path, source: Optional[str] = None) -> list[str]:
     rel = _rel(f)
-    if rel == "core/collectives.py":
+    if rel == "engine/comm/collectives.py":
         return []
     text = f.read_text() if source is None else source
     used = {n for n in _imports(f, source) if n.startswith("torch.distributed")} | _distributed_calls(text)
     if rel in CHECKPOINT_FILES:
         used = {n for n in used if not n.startswith("torch.distributed.checkpoint")}
-    return [f"{rel}: uses {n}; go through core/collectives.py" for n in sorted(used)]
+    return [f"{rel}: uses {n}; go through engine/comm/collectives.py" for n in sorted(used)]
 
 
 def test_topology_imports_no_torch_and_no_other_layer():
@@ -136,14 +136,14 @@ def test_no_torch_distributed_calls_outside_collectives():
 
 @pytest.mark.parametrize("rule,where,source,expected", [
     (topology_violations, "lightning_shard/topology/x.py", "def f():\n    import torch\n", "imports torch"),
-    (topology_violations, "lightning_shard/topology/x.py", "from ..core import flat\n", "lightning_shard.core"),
+    (topology_violations, "lightning_shard/topology/x.py", "from ..engine import spec\n", "lightning_shard.engine"),
     (upward_violations, "lightning_shard/planner/x.py", "from ..strategies import zero\n", "strategies"),
     (upward_violations, "lightning_shard/topology/x.py", "import lightning as L\n", "imports lightning"),
     (distributed_violations, "lightning_shard/strategies/x.py", "import torch\ntorch.distributed.barrier()\n",
      "torch.distributed.barrier"),
-    (distributed_violations, "lightning_shard/core/engine.py", "import torch.distributed as dist\n",
+    (distributed_violations, "lightning_shard/engine/engine.py", "import torch.distributed as dist\n",
      "torch.distributed"),
-    (distributed_violations, "lightning_shard/core/checkpoint.py", "import torch.distributed.checkpoint as dcp\n"
+    (distributed_violations, "lightning_shard/checkpoint/format.py", "import torch.distributed.checkpoint as dcp\n"
      "import torch\ntorch.distributed.all_reduce(x)\n", "torch.distributed.all_reduce"),
 ])
 def test_each_rule_catches_a_module_that_breaks_it(rule, where, source, expected):
@@ -153,5 +153,5 @@ def test_each_rule_catches_a_module_that_breaks_it(rule, where, source, expected
 
 def test_checkpoint_files_may_use_torch_distributed_checkpoint():
     source = "import torch.distributed.checkpoint as dcp\n"
-    assert distributed_violations(ROOT / "lightning_shard/core/checkpoint.py", source) == []
-    assert distributed_violations(ROOT / "lightning_shard/core/bucket.py", source) != []
+    assert distributed_violations(ROOT / "lightning_shard/checkpoint/format.py", source) == []
+    assert distributed_violations(ROOT / "lightning_shard/engine/buckets/bucket.py", source) != []

@@ -40,8 +40,8 @@ SCRIPT = textwrap.dedent(f"""
     import torch
     import torch.nn.functional as F
     torch.set_num_threads(1)
-    from lightning_shard.core import collectives as C
-    from lightning_shard.core.engine import ShardEngine
+    from lightning_shard.engine import collectives as C
+    from lightning_shard.engine.engine import ShardEngine
     from recipes.gpt import GPT
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{{port}}", timedelta(seconds=60))

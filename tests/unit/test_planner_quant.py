@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from lightning_shard.core.quant import piece_bytes
+from lightning_shard.engine.comm.quant import piece_bytes
 from lightning_shard.planner.config import Job, StrategyConfig
 from lightning_shard.planner.memory import peak_bytes
 from lightning_shard.planner.models import from_recipe

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_shard.core.flat import build_layout, flatten_into, slot_views
+from lightning_shard.engine.buckets.flat import build_layout, flatten_into, slot_views
 from lightning_shard.topology import TopologyParseError, parse_topo
 
 shapes = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)

@@ -1,4 +1,4 @@
-"""Block quantization (core/quant.py): round-trip bounds, the byte layout on the wire, non-finite values, the knob
+"""Block quantization (comm/quant.py): round-trip bounds, the byte layout on the wire, non-finite values, the knob
 rules."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_shard.core import quant as Q
+from lightning_shard.engine.comm import quant as Q
 
 KINDS = ("int8", "int4")
 

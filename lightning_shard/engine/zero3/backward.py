@@ -4,8 +4,8 @@ and its inputs' gradients are computed."""
 
 from __future__ import annotations
 
-from . import collectives as C
-from .state import ParamState
+from ..comm import collectives as C
+from ..states import ParamState
 from .unit import Unit
 
 

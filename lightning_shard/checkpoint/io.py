@@ -1,9 +1,9 @@
 """Lightning side of checkpoints: sharded save/load for the strategies, and a CheckpointIO for plain Trainers.
 
 ``state_dict_type="sharded"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a directory
-(see ``core/checkpoint.py``) in which each rank stores only its shards, committed atomically.
+(see ``checkpoint/format.py``) in which each rank stores only its shards, committed atomically.
 ``"full"``: one consolidated file written by rank 0, as Lightning's own strategies do. ``"dcp"``: a
-``torch.distributed.checkpoint`` directory (``core/dcp.py``: each rank's ranges as chunks of the full tensors, keys
+``torch.distributed.checkpoint`` directory (``dcp.py``: each rank's ranges as chunks of the full tensors, keys
 as Lightning's ``ModelParallelStrategy`` writes them), which DCP's own tools and FSDP2 read.
 
 Loading accepts all three, from any strategy and world size: a full file (also one written by Lightning's
@@ -23,9 +23,11 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ..core import collectives as C
-from ..core import dcp
-from ..core.checkpoint import (
+from ..engine.comm import collectives as C
+from ..engine.state_dict import param_aliases
+from . import dcp
+from .consolidate import lightning_checkpoint, model_state
+from .format import (
     CheckpointError,
     Reader,
     commit,
@@ -36,9 +38,7 @@ from ..core.checkpoint import (
     write_rank_file,
     write_trainer_state,
 )
-from ..core.consolidate import lightning_checkpoint, model_state
-from ..core.engine_ckpt import collect_pieces
-from ..core.state_dict import param_aliases
+from .pieces import collect_pieces
 
 MODEL_KEYS = ("state_dict", "optimizer_states")
 
@@ -83,7 +83,7 @@ def translate_loop_counters(ckpt: dict[str, Any], saved: dict[str, Any], world: 
 def save_sharded(engine: Any, checkpoint: dict[str, Any], filepath: Any, strategy_name: str,
                  accumulate: int = 1) -> None:
     """Every rank writes its pieces into a new version folder; rank 0 commits it as ``filepath`` (an overwrite
-    swaps ``meta.json`` atomically, see core/checkpoint.py). Collective."""
+    swaps ``meta.json`` atomically, see checkpoint/format.py). Collective."""
     final = Path(filepath)
     suffix = C.broadcast_object(uuid.uuid4().hex[:8] if C.get_rank() == 0 else None, tag="checkpoint")
     data, root = data_dir_for(final, suffix) if C.get_rank() == 0 else (None, None)
@@ -360,7 +360,7 @@ class CheckpointMixin:
             if self.engine is None or self.engine.controller is None:  # stages 0-2: the module takes full weights
                 state = full_model_state(self._reader)
             else:  # after setup (stage 3): each rank reads the ranges of its own shards
-                from ..core.engine_ckpt import load_pieces
+                from .pieces import load_pieces
 
                 load_pieces(self.engine, self._reader, params=True, optimizer=False)
                 state = {k: v for k, v in model_state(self._reader).items() if k not in param_names}
@@ -392,7 +392,7 @@ class CheckpointMixin:
             raise CheckpointError(f"checkpoint holds {len(states)} optimizer states, the model configured "
                                   f"{len(self.optimizers)} optimizers")
         if self._reader is not None and self.engine is not None:
-            from ..core.engine_ckpt import load_pieces
+            from .pieces import load_pieces
 
             load_pieces(self.engine, self._reader, params=False, optimizer=True)
             self._reader = None

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives as C
+from .comm import collectives as C
 
 
 def grad_norm(grads: list[torch.Tensor], device: torch.device, group: Optional[C.Group], sharded: bool,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import collectives as C
-from .bucket import Bucket
+from .buckets.bucket import Bucket
+from .comm import collectives as C
 
 
 def param_aliases(module: nn.Module) -> dict[int, list[str]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Reader
+from .format import Reader
 
 
 def model_state(reader: Reader, prefer_master: bool = True) -> dict[str, torch.Tensor]:

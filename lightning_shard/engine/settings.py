@@ -16,7 +16,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 
 
 # zero3: a unit holds at least this many MiB of parameters, or joins the unit enclosing it (``min_unit_mb``,
-# core/units.py). A collective has a fixed cost besides its bytes: tens of microseconds on NCCL (nccl-tests'
+# engine/zero3/plan.py). A collective has a fixed cost besides its bytes: tens of microseconds on NCCL (nccl-tests'
 # small-message latency), ~0.1-1 ms on gloo over loopback plus a Python hook and a thread hand-off (docs/speed.md,
 # "zero3 merges modules smaller than min_unit_mb"). Below ~1 MiB that fixed cost is most of a unit's gather on either.
 MIN_UNIT_MB = 1.0
@@ -41,7 +41,7 @@ class UnitConfig:
     reshard_after_forward: bool = True  # free full parameters after forward (False: keep until backward)
     prefetch_depth: Optional[int] = None  # units gathered ahead of use, fwd and bwd; None: PREFETCH_DEPTH's
     leaf_modules: Any = None  # module classes, class names or FQNs whose whole subtree is one unit
-    min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them (core/units.py)
+    min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them (engine/zero3/plan.py)
 
     def __post_init__(self) -> None:
         if self.prefetch_depth is None:

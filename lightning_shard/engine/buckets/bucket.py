@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from . import collectives as C
-from . import hostmem
-from . import quant as Q
+from ..comm import collectives as C
+from ..comm import hostmem
+from ..comm import quant as Q
+from ..settings import label
+from ..spec import ShardSpec
+from ..states import GradState, ParamState, param_transition, transition
 from .chunks import OptimizerChunks
-from .config import label
 from .flat import FlatLayout, build_layout, flatten_into, slot_views
-from .spec import ShardSpec
-from .state import GradState, ParamState, param_transition, transition
 
 if TYPE_CHECKING:
-    from .unit import Unit
+    from ..zero3.unit import Unit
 
 
 class Gauge:
@@ -58,7 +58,7 @@ class Bucket:
                  all_gather_via: str = "all_gather", huge_pages: bool = True) -> None:
         self.index, self.params, self.names = index, params, names
         # the optimizer holding these parameters (None: frozen, stage 3) and each parameter's param group in it: a
-        # bucket holds every group of its optimizer, each a contiguous run (core/plan.py)
+        # bucket holds every group of its optimizer, each a contiguous run (engine/buckets/plan.py)
         self.opt_index = opt_index
         self.param_groups = list(param_groups) if param_groups is not None else [0] * len(params)
         self.spec, self.rank, self.world, self.group = spec, rank, spec.world, group
@@ -67,7 +67,7 @@ class Bucket:
         self.gather_group = group if gather_group is None else gather_group
         self._solo_gather = C.get_world_size(self.gather_group) == 1
         self.total_world = spec.world * (C.get_world_size(replicate_group) if replicate_group is not None else 1)
-        # how the gradient reduce-scatter runs (core/collectives.py ``reduce_scatter_path``): the backend's own,
+        # how the gradient reduce-scatter runs (engine/comm/collectives.py ``reduce_scatter_path``): the backend's own,
         # an all-to-all and a sum of the pieces (gloo's default), or an in-place all-reduce of which this rank keeps
         # its slice
         self.rs_path = reduce_scatter_path
@@ -87,10 +87,10 @@ class Bucket:
         # how this bucket's parameter all-gathers run (collectives.py ``all_gather_path``: by backend and size)
         self.ag_path = C.all_gather_path(all_gather_via, group, self.layout.padded_numel * self.itemsize)
         # the buffers allocated every step (full gradients, reduction pieces and shards, gathered units) are advised
-        # as transparent huge pages on CPU (core/hostmem.py): fewer page faults, the same values
+        # as transparent huge pages on CPU (engine/comm/hostmem.py): fewer page faults, the same values
         self.huge_pages = huge_pages
         self.own_lo, self.own_hi = self.layout.owned_range(shard)
-        # compressed communication (core/quant.py): the stage-3 parameter all-gathers of forward and backward move
+        # compressed communication (comm/quant.py): the stage-3 parameter all-gathers of forward and backward move
         # block-quantized shards (the masters stay exact); the gradient reductions move every rank's quantized pieces
         # in an all-to-all, summed in fp32 on arrival, each rank carrying its own quantization error to its next
         # reduction (``residual``: error feedback). Both only where a collective runs (more than one rank).
@@ -222,7 +222,7 @@ class Bucket:
 
     def _step_buffer(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         """A buffer this bucket allocates every step, on its device: advised as huge pages on CPU (``huge_pages``,
-        core/hostmem.py); ``zero``: zero-filled after the advice."""
+        engine/comm/hostmem.py); ``zero``: zero-filled after the advice."""
         return (hostmem.zeros if zero else hostmem.empty)(numel, dtype, self.device, self.huge_pages)
 
     # ------------------------------------------------------------------ stage 3: parameter materialization
@@ -428,7 +428,7 @@ class Bucket:
             self.attach_grads()
         self._fill_void()
         tag = f"grad_bucket{self.index}"
-        if self.reduce_q is not None:  # (world > 1 only: core/quant.py)
+        if self.reduce_q is not None:  # (world > 1 only: engine/comm/quant.py)
             self._launch_quantized_reduce(async_op, tag)
             return
         src = self.grad_buf if self.grad_buf.dtype == reduce_dtype else self.grad_buf.to(reduce_dtype)

@@ -37,13 +37,13 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from . import collectives as C
-from .bucket import Gauge
+from ..buckets.bucket import Gauge
+from ..buckets.sync import GradSync
+from ..comm import collectives as C
+from ..states import AccumulationPolicy, ParamState, eager
+from .backward import BackwardSchedule
+from .forward import ForwardHooks
 from .guard import ShardedUseGuard
-from .param_shard_backward import BackwardSchedule
-from .param_shard_forward import ForwardHooks
-from .state import AccumulationPolicy, ParamState, eager
-from .sync import GradSync
 from .unit import ControllerState, Unit, _Pass, completion_order, merge_orders
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ParamShardController(ForwardHooks, BackwardSchedule):
         first = next((k for k, i in enumerate(self.fwd_order) if any(x.trainable for x in self.units[i].group)),
                      len(self.fwd_order))
         # backward runs the forwards' *ends* in reverse: a unit enclosing others (a block holding its small layers,
-        # core/units.py) starts before them and ends after them, so its backward comes first
+        # engine/zero3/plan.py) starts before them and ends after them, so its backward comes first
         done = completion_order(self.fwd_order, {u.index: u.name for u in self.units})
         dpos = {u: k for k, u in enumerate(done)}
         last_needed = dpos[self.fwd_order[first]] if first < len(self.fwd_order) else len(done)

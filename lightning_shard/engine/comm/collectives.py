@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .state import autograd_running
+from ..states import autograd_running
 
 __all__ = [
     "LEDGER",

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import collectives as C
+from ..comm import collectives as C
 from .bucket import Bucket
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (

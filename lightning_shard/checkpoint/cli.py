@@ -44,8 +44,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_shard.core.consolidate import lightning_checkpoint, model_state
-    from lightning_shard.strategies.checkpointing import open_reader
+    from lightning_shard.checkpoint.consolidate import lightning_checkpoint, model_state
+    from lightning_shard.checkpoint.io import open_reader
 
     reader = open_reader(args.ckpt)
     if args.hf or args.hf_adapter:

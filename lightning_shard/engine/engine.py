@@ -21,23 +21,23 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import collectives as C
 from . import grads, health, mixed, state_dict
-from . import quant as Q
-from .bucket import Bucket
+from .buckets.bucket import Bucket
+from .buckets.optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
+from .buckets.param_gather import PostStepGathers
+from .buckets.plan import Owner, param_owners
+from .buckets.sync import GradSync, SyncState
 from .build import build_flat, build_units
-from .config import UnitConfig, parse_param_dtype, parse_reduce_dtype, phase
-from .deferred import DeferredInit
-from .optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
-from .param_gather import PostStepGathers
-from .param_shard import ParamShardController
-from .plan import Owner, param_owners
-from .quant import check_quant
+from .comm import collectives as C
+from .comm import quant as Q
+from .comm.quant import check_quant
+from .settings import UnitConfig, parse_param_dtype, parse_reduce_dtype, phase
 from .spec import ShardSpec
-from .state import AccumulationPolicy, GradState
-from .sync import GradSync, SyncState
-from .unit import Unit
-from .units import describe_plan, plan_units
+from .states import AccumulationPolicy, GradState
+from .zero3.controller import ParamShardController
+from .zero3.deferred import DeferredInit
+from .zero3.plan import describe_plan, plan_units
+from .zero3.unit import Unit
 
 
 class ShardEngine:

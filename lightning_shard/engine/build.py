@@ -8,11 +8,11 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from .bucket import Bucket
-from .deferred import DeferredInit
-from .plan import Owner, flat_buckets, unit_buckets
-from .unit import Unit
-from .units import UnitSpec
+from .buckets.bucket import Bucket
+from .buckets.plan import Owner, flat_buckets, unit_buckets
+from .zero3.deferred import DeferredInit
+from .zero3.plan import UnitSpec
+from .zero3.unit import Unit
 
 # (index, parameters, names, optimizer index or None) -> a Bucket with the engine's spec and groups
 MakeBucket = Callable[[int, list[nn.Parameter], list[str], Optional[int]], Bucket]

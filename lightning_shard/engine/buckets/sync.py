@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..states import AccumulationPolicy, GradState
 from .bucket import Bucket
-from .state import AccumulationPolicy, GradState
 
 IN_FLIGHT = 2  # ZeRO-2: gradient reductions outstanding during backward (the earliest is waited for and freed)
 

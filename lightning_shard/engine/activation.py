@@ -17,7 +17,7 @@ wrapped in another one (torch's ``checkpoint_wrapper``):
 - the module's own hooks (stage 3's gather/free, zero1/2's wait for the post-step gather, a user's) stay outside the
   checkpoint and run once per forward; only the body is recomputed (what Hugging Face's
   ``GradientCheckpointingLayer`` does too). Hooks of modules *inside* the block do run again in the recomputation:
-  the stage-3 controller recognises it (``state.autograd_running()``, core/param_shard_forward.py).
+  the stage-3 controller recognises it (``state.autograd_running()``, engine/zero3/forward.py).
 
 Only training forwards are checkpointed (the block in ``train()`` mode with gradients enabled, Hugging Face's rule):
 in validation, under ``torch.no_grad()`` or in ``eval()`` mode the block runs as it is. A Hugging Face KV cache passed
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .units import _classes, _matches, auto_wrap_classes
+from .zero3.plan import _classes, _matches, auto_wrap_classes
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import collectives as C
-from .bucket import Bucket
-from .deferred import DeferredInit
+from .buckets.bucket import Bucket
+from .comm import collectives as C
+from .zero3.deferred import DeferredInit
 
 
 def agree(what: str, mine: list, hint: str) -> None:

@@ -1,10 +1,10 @@
 """Sharding engine: torch only (no Lightning, no Hydra). See DESIGN.md section 3."""
 
-from .collectives import LEDGER, Ledger, LedgerEntry, ring_wire_bytes
+from .buckets.flat import FlatLayout, build_layout
+from .comm.collectives import LEDGER, Ledger, LedgerEntry, ring_wire_bytes
 from .engine import ShardEngine
-from .flat import FlatLayout, build_layout
 from .scaler import LossScaler
-from .state import AccumulationPolicy, GradState
+from .states import AccumulationPolicy, GradState
 
 __all__ = ["LEDGER", "AccumulationPolicy", "FlatLayout", "GradState", "Ledger", "LedgerEntry", "LossScaler",
            "ShardEngine", "build_layout", "ring_wire_bytes"]

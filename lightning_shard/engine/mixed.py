@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .plan import Owner
+from .buckets.plan import Owner
 
 
 def check_module(module: nn.Module, owner: dict[int, Owner], shards_params: bool, dtype: torch.dtype) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .state import autograd_running
+from ..states import autograd_running
 from .unit import ControllerState, Unit, _enclosing
 
 

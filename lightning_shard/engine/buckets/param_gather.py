@@ -18,11 +18,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from . import collectives as C
+from ..comm import collectives as C
+from ..states import eager
+from ..zero3.guard import ShardedUseGuard
+from ..zero3.plan import compiled_modules
 from .bucket import Bucket
-from .guard import ShardedUseGuard
-from .state import eager
-from .units import compiled_modules
 
 
 class PostStepGathers:

@@ -7,10 +7,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .bucket import Bucket
+from ..buckets.bucket import Bucket
+from ..states import ParamState
 from .guard import ShardedUseGuard
-from .state import ParamState
-from .units import UnitSpec
+from .plan import UnitSpec
 
 
 class ControllerState(enum.Enum):

@@ -1,6 +1,6 @@
 """Dynamic loss scaling for fp16 whose skip/grow decision is taken once for all ranks.
 
-The engine's :meth:`~lightning_shard.core.engine.ShardEngine.unscale_and_check` all-reduces the found-inf
+The engine's :meth:`~lightning_shard.engine.engine.ShardEngine.unscale_and_check` all-reduces the found-inf
 flag, so every rank skips (and backs off) or steps (and maybe grows) together: no rank updates alone.
 The schedule follows ``torch.amp.GradScaler``'s documented defaults (init 2**16, x0.5 back-off, x2 growth
 every 2000 clean steps).

@@ -10,7 +10,7 @@ parametrization's originals). The planner then puts those parameters into the re
 
 This is a static over-approximation (a chain used only for ``.dtype`` counts as a read; that costs granularity,
 never correctness). What it cannot see (indexing ``self.layers[0].weight``, a module handed to a helper that
-reads its weight) is caught at run time by :mod:`lightning_shard.core.guard` during the first step.
+reads its weight) is caught at run time by :mod:`lightning_shard.engine.zero3.guard` during the first step.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .units import UnitSpec
+from ..zero3.plan import UnitSpec
 
 # per optimizer, per param group, the parameters (the shape of ``[g["params"] for g in opt.param_groups]``)
 OptimizerGroups = Sequence[Sequence[Sequence[nn.Parameter]]]

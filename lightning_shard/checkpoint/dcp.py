@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .checkpoint import CheckpointError, KeyedReader
+from .format import CheckpointError, KeyedReader
 
 META_PT = "meta.pt"  # Lightning's name for the non-tensor rest of a DCP checkpoint
 OWN_META = "lightning_shard"  # our entry in meta.pt: the saving job's world size, accumulation, strategy

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import collectives as C
-from .checkpoint import CheckpointError, Reader
-from .state_dict import param_aliases
+from ..engine.comm import collectives as C
+from ..engine.state_dict import param_aliases
+from .format import CheckpointError, Reader
 
 if TYPE_CHECKING:
-    from .engine import ShardEngine
+    from ..engine.engine import ShardEngine
 
 
 def _jsonable(v: Any) -> Any:
