@@ -1,4 +1,5 @@
-"""What a fresh host buffer costs with and without the huge-page advice of ``huge_pages`` (engine/comm/hostmem.py).
+"""What a fresh host buffer costs with and without the engine's huge-page advice (engine/comm/hostmem.py;
+once the ``huge_pages`` option, now the engine's choice on CPU).
 
 One process, one thread. For each size: ``--iters`` rounds of "allocate a fresh fp32 buffer, write it once, free
 it" (the life of a zero2 gradient bucket or an all-to-all's pieces in one step), best of ``--repeats``, with the

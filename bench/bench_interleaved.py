@@ -46,19 +46,17 @@ def build(variant: str, seed: int):
     from variants import build_model
 
     from lightning_shard.engine.engine import ShardEngine
-    from lightning_shard.engine.settings import UnitConfig
+    from lightning_shard.options import options_for
 
     torch.manual_seed(seed)
     net = build_model(MODEL)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     if variant == "plain":
         return net, opt, None
-    units = None
-    if variant == "zero3":
-        units = UnitConfig("zero3")
-    elif variant == "fsdp_shard":
-        units = UnitConfig("fsdp", wrap_classes="auto")
-    engine = ShardEngine(net, [opt], stage=STAGES[variant], units=units)
+    # the registered strategy's default options (zero3: per-module units; fsdp_shard: wrap_classes="auto"), deferring
+    # as the engine did by default (stage 3 calls it keep_unsharded_grads)
+    options = options_for(variant, accumulation="keep_unsharded_grads" if STAGES[variant] == 3 else "defer")
+    engine = ShardEngine(net, [opt], options)
     if engine.controller is not None:  # each forward is one pass of the schedule, as the adapters do it
         ctl = engine.controller
         net.register_forward_pre_hook(lambda m, a: ctl.step_pre_forward())

@@ -14,10 +14,10 @@ writes ``bench/results/peak.json`` and ``bench/results/peak.md``::
     .venv/bin/python bench/bench_peak.py --n-layer 24 --n-embd 512 --out-dir /tmp/peak84m
     .venv/bin/python bench/bench_peak.py --model gpt           # the recipe GPT instead
 
-Variants: ``ddp`` (Lightning ``DDPStrategy``), ``zero0``/``zero1``/``zero2`` (default knobs, ``bucket_mb``),
+Variants: ``ddp`` (Lightning ``DDPStrategy``), ``zero0``/``zero1``/``zero2`` (default options, ``tuning.bucket_mb``),
 ``fsdp2`` (``fully_shard`` per ``model.transformer.h[i]`` then the root, Lightning ``ModelParallelStrategy``),
 ``zero3`` (``Zero3Strategy()``), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[GPT2Block])``). Opt-in
-(``--variants``): the knob suffixes of ``variants.py`` and DeepSpeed ZeRO ``ds_zero1``/``ds_zero2``/``ds_zero3``
+(``--variants``): the option suffixes of ``variants.py`` and DeepSpeed ZeRO ``ds_zero1``/``ds_zero2``/``ds_zero3``
 (``bench/deepspeed_rank.py``; the ``bench-deepspeed`` extra).
 
 Measured per rank: peak RSS (VmHWM, whole process and training window), RSS at ``on_train_start`` (baseline);

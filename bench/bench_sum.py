@@ -1,6 +1,6 @@
 """The local half of the all-to-all reduce-scatter, timed: the sum of N rank pieces (an N x n tensor) into one
 piece, as ``torch.sum(pieces, dim=0, out=out)`` against row-order adds (``out = p0 + p1``, ``out += p2`` ...:
-``core/collectives.sum_pieces_into``), one CPU thread, best of ``--repeats`` rounds of ``--iters`` calls after a
+``engine/comm/reduce.sum_pieces_into``), one CPU thread, best of ``--repeats`` rounds of ``--iters`` calls after a
 warm-up call. Also says whether each result equals the row-order sum bit for bit.
 
 Writes ``bench/results/sum_pieces.{json,md}``::
@@ -38,7 +38,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import lightning_shard
-    from lightning_shard.engine.comm.collectives import sum_pieces_into
+    from lightning_shard.engine.comm.reduce import sum_pieces_into
 
     torch.set_num_threads(1)
     rows_out = []
@@ -69,7 +69,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(doc: dict[str, Any], command: str) -> str:
     lines = ["# Summing the all-to-all's pieces: torch.sum over rows vs row-order adds", "",
              f"One CPU thread; torch {doc['machine']['torch']}; best of {doc['repeats']} rounds of {doc['iters']} "
-             "calls. `sum_pieces_into` is what the engine runs (comm/collectives.py); row-order: equal bit for bit "
+             "calls. `sum_pieces_into` is what the engine runs (comm/reduce.py); row-order: equal bit for bit "
              "to p0 + p1 + ... added in row order.", f"Command: `{command}`", "",
              "| dtype | piece MiB | rows | torch.sum ms | sum_pieces_into ms | speed-up | torch.sum row-order | "
              "sum_pieces_into row-order |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]

@@ -1,4 +1,4 @@
-"""What exact handling of parameters without gradients costs: zero2 and zero3 with ``find_unused_parameters``
+"""What exact handling of parameters without gradients costs: zero2 and zero3 with ``tuning.find_unused_parameters``
 True (the default: one all-reduce of one byte per parameter tensor per optimizer step, so that a parameter no
 rank used is left out of the step as torch leaves it) and False (no exchange), side by side in one run::
 

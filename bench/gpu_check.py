@@ -116,7 +116,7 @@ def worker_env(args: argparse.Namespace, phase: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if args.cpu:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        if phase == "perf":  # glibc returns large frees, so peak RSS follows live tensors (DESIGN.md section 6)
+        if phase == "perf":  # glibc returns large frees, so peak RSS follows live tensors ("Design rules" 9)
             env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     return env
 

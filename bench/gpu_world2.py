@@ -7,7 +7,7 @@ some collectives (it stages them through host memory). So, on the one H200 (``--
 2. Two processes (torch.multiprocessing, spawn), gloo, both on cuda:0, probe every ``torch.distributed`` call the engine
    makes (gpu_probes.py ``probes``): a call that runs and returns wrong values is a failed check, a refusal is recorded.
 3. In the same process group, ``ShardEngine`` driven directly (as tests/distributed/test_engine_dist.py does) for
-   stages 0-3, per-micro-batch accumulation, FSDP-style units (default knobs), then zero2 and zero3 on every other
+   stages 0-3, per-micro-batch accumulation, FSDP-style units (default options), then zero2 and zero3 on every other
    ``reduce_scatter_via`` path the engine offers whose call the backend runs here: 4 optimizer steps x 2
    micro-batches of the small Transformer LM (gpu_models.py: tied head, odd vocabulary), SGD with momentum; rank 0's
    full weights against one process training on the global batch on the same device (bound 1e-5). A case that fails
@@ -44,10 +44,10 @@ PATH_PROBES = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tenso
 
 def path_cases(probed: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
     """The cases of the explicit reduce-scatter paths, and the paths left out with the reason."""
-    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.comm.reduce import REDUCE_SCATTER_VIA
 
     cases, skipped = [], {}
-    for via in getattr(C, "REDUCE_SCATTER_VIA", ()):
+    for via in REDUCE_SCATTER_VIA:
         if via == "auto":
             continue
         usable = [p for p in probed if p["op"] in PATH_PROBES.get(via, ()) and p["ok"] is not None]
@@ -64,18 +64,22 @@ def train_case(kw: dict[str, Any], device: str, size: dict[str, Any], micro: int
     from torch import nn
 
     from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.comm.choices import CommChoices
     from lightning_shard.engine.engine import ShardEngine
-    from lightning_shard.engine.settings import UnitConfig
+    from lightning_shard.options import options_for
 
     rank = C.get_rank()
     model = build_small_tf(size).to(device)
     opt = make_sgd(model)
     kw = dict(kw)
-    units = kw.pop("units", None)
-    if units is not None:
-        kw["units"] = UnitConfig(units, wrap_classes=[nn.TransformerEncoderLayer] if units == "fsdp" else None)
+    stage, units = kw.pop("stage"), kw.pop("units", None)
+    name = {None: f"zero{stage}", "zero3": "zero3", "fsdp": "fsdp_shard"}[units]
+    policy = kw.pop("accumulation", "keep_unsharded_grads" if stage == 3 else "defer")  # the engine's old default
+    wrap = {"wrap_classes": [nn.TransformerEncoderLayer]} if units == "fsdp" else {}
+    options = options_for(name, accumulation=policy, tuning={"bucket_mb": 0.05}, **wrap)  # small buckets: several
     mark = C.LEDGER.mark()
-    engine = ShardEngine(model, [opt], bucket_mb=0.05, **kw)  # small buckets: several per model
+    via = kw.pop("reduce_scatter_via", "auto")  # a path case: how the engine runs its reduce-scatters
+    engine = ShardEngine(model, [opt], options, comm=CommChoices(reduce_scatter=via))
     hooks = []
     if engine.controller is not None:  # stage 3: each forward is one pass of the schedule (as the Fabric adapter)
         ctl = engine.controller

@@ -40,7 +40,7 @@ from wire import Counters, counting_allreduce_hook, wire_per_step
 ENGINE_PHASES = ("pre_backward", "post_backward", "prepare_step", "finish_step", "_leave_out_unused")
 # ``labels_s_per_step`` (speed suite): every profiler range of these families, any variant, the per-module suffix
 # FSDP2 adds (`` (fqn)``) dropped so that a label sums over modules: the engine's phases and collective launches /
-# waits (``lightning_shard.*``, engine/settings.py), FSDP2's (``FSDP::*``), DDP's forward. (Not torch's
+# waits (``lightning_shard.*``, engine/labels.py), FSDP2's (``FSDP::*``), DDP's forward. (Not torch's
 # ``Optimizer.step#...``: under Lightning's automatic optimization the step runs the closure, i.e. forward and
 # backward, inside it for some strategies and not for others.)
 LABEL_PREFIXES = ("lightning_shard.", "FSDP::", "DistributedDataParallel.")

@@ -221,7 +221,7 @@ def markdown_peak(doc: dict[str, Any]) -> str:
         f"AdamW (fp32, 2 states), no mixed precision; micro-batch {m['micro_batch_per_rank']} x "
         f"{m['model']['block_size']} tokens per rank; {m['warmup_steps']} warmup + {m['timed_steps']} timed steps; "
         f"{m['repeats']} run(s) per variant (memory from the first good run). lightning_shard strategies with default "
-        f"knobs (zero0/1/2: bucket_mb={m['bucket_mb']}; fsdp_shard: wrap_classes=[block class]); fsdp2: "
+        f"options (zero0/1/2: tuning.bucket_mb={m['bucket_mb']}; fsdp_shard: wrap_classes=[block class]); fsdp2: "
         "fully_shard per block then the root under Lightning ModelParallelStrategy; ddp: Lightning DDPStrategy.",
         code_line,
         f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s"

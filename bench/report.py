@@ -67,7 +67,8 @@ def markdown_zero12(doc: dict[str, Any]) -> str:
         "Opt-state is listed per rank (rank0 / rank1), from the tensors each rank holds. Wire bytes per rank use",
         "ring conventions: all-reduce 2(N-1)/N x bytes, reduce-scatter / all-gather (N-1)/N x bytes, broadcast =",
         "bytes this rank receives. Formula column: DDP / ZeRO-1/2 2(N-1)/N x Psi bytes; ZeroRedundancyOptimizer adds",
-        "(N-1)/N x Psi bytes of broadcasts (DESIGN.md section 2). Timed loop has no barriers; tokens/s is per rank.",
+        "(N-1)/N x Psi bytes of broadcasts (docs/architecture.md, 'Design rules' 3). Timed loop has no barriers; "
+        "tokens/s is per rank.",
         "",
         "Per-step phases, rank 0 (s): forward | backward incl. gradient sync wait | optimizer step incl. param sync",
         "",

@@ -6,13 +6,13 @@ Every variant trains one model under AdamW; only the strategy (and for ``zero_r`
 ``hf_gpt2`` (Hugging Face ``transformers.GPT2LMHeadModel``, tied embedding, dropout 0, blocks ``GPT2Block`` in
 ``model.transformer.h``; the ``peak`` suite's default).
 
-Knobs of the lightning_shard variants: the zero12 / zero3 / unused suites pass ``accumulation`` and
-``find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every strategy with its default
-knobs (zero0/1/2: only ``bucket_mb``, as the other suites pass it; fsdp_shard: only its wrap class), and on request
-(``--variants``, :data:`OPT_IN`) the same with the knobs of a suffix (:data:`SUFFIXES`): ``_ac``
-(``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload`` (``offload_optimizer``),
-``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the backend's reduce-scatter),
-``_pf3`` / ``_pf2`` / ``_pf1`` (stage 3: ``prefetch_depth=3`` / ``2`` / ``1``).
+Options of the lightning_shard variants (``lightning_shard/options``): the zero12 / zero3 / unused suites pass
+``accumulation`` and ``tuning.find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every
+strategy with its default options (zero0/1/2: only ``tuning.bucket_mb``, as the other suites pass it; fsdp_shard:
+only its wrap class), and on request (``--variants``, :data:`OPT_IN`) the same with the options of a suffix
+(:data:`SUFFIXES`): ``_ac`` (``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload``
+(``offload_optimizer``), ``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the
+backend's reduce-scatter), ``_pf3`` / ``_pf2`` / ``_pf1`` (stage 3: ``tuning.prefetch_depth=3`` / ``2`` / ``1``).
 
 A/A controls (speed suite, opt-in, :data:`AA_CONTROLS`): ``ddp_aa`` and ``fsdp2_aa`` run the program of ``ddp`` and
 ``fsdp2`` under another name, so that their paired ratio to the peer in the same run shows how far two identical
@@ -30,26 +30,28 @@ import argparse
 import importlib.util
 from typing import Any
 
-# ``<strategy><suffix>``: the strategy with the knobs of each suffix (peak suite, opt-in): activation checkpointing,
-# the bf16 mixed-precision policy, ZeRO-Offload of the optimizer (and, for stage 3, of the parameter shards too)
+# ``<strategy><suffix>``: the strategy with the options of each suffix (peak suite, opt-in): activation checkpointing,
+# the bf16 mixed-precision policy, ZeRO-Offload of the optimizer (and, for stage 3, of the parameter shards too); a
+# group's fields as a mapping (``tuning``, ``compression``); ``comm``: how collectives run, not an option but the
+# engine's per-backend choice, set on the strategy (engine/comm/choices.py ``CommChoices``)
 SUFFIXES: dict[str, dict[str, Any]] = {
     "_ac": {"activation_checkpointing": "auto"},
     "_bf16": {"param_dtype": "bf16"},
     "_offload": {"offload_optimizer": True},
     "_offload_all": {"offload_optimizer": True, "offload_params": True},
-    "_rs": {"reduce_scatter_via": "reduce_scatter"},  # the backend's reduce-scatter (gloo's default until issue 16)
-    "_pf3": {"prefetch_depth": 3},  # stage 3: three units gathered ahead instead of one
-    "_pf1": {"prefetch_depth": 1},  # stage 3: one unit ahead (zero3's default is 3)
-    "_pf2": {"prefetch_depth": 2},  # stage 3: two units ahead
-    "_ar": {"reduce_scatter_via": "all_reduce"},  # gloo's default before the all-to-all form (issue 16)
-    "_u0": {"min_unit_mb": 0.0},  # zero3: one unit per module with parameters (before issue 16's merging)
+    "_rs": {"comm": {"reduce_scatter": "reduce_scatter"}},  # the backend's reduce-scatter (gloo's until issue 16)
+    "_pf3": {"tuning": {"prefetch_depth": 3}},  # stage 3: three units gathered ahead instead of one
+    "_pf1": {"tuning": {"prefetch_depth": 1}},  # stage 3: one unit ahead (zero3's default is 3)
+    "_pf2": {"tuning": {"prefetch_depth": 2}},  # stage 3: two units ahead
+    "_ar": {"comm": {"reduce_scatter": "all_reduce"}},  # gloo's default before the all-to-all form (issue 16)
+    "_u0": {"tuning": {"min_unit_mb": 0.0}},  # zero3: one unit per module with parameters (before issue 16's merging)
     # compressed communication (issue 14, engine/comm/quant.py): int8 gathers, int8 / int4 reductions, both
-    "_q8g": {"gather_quant": "int8"},
-    "_q8r": {"reduce_quant": "int8"},
-    "_q4r": {"reduce_quant": "int4"},
-    "_q8": {"gather_quant": "int8", "reduce_quant": "int8"},
-    "_agc": {"all_gather_via": "all_gather"},  # the backend's all-gather (gloo's default until issue 16's 4th round)
-    "_nohuge": {"huge_pages": False},  # plain 4 KiB pages for the per-step buffers (the default until issue 16's 5th)
+    "_q8g": {"compression": {"gather_quant": "int8"}},
+    "_q8r": {"compression": {"reduce_quant": "int8"}},
+    "_q4r": {"compression": {"reduce_quant": "int4"}},
+    "_q8": {"compression": {"gather_quant": "int8", "reduce_quant": "int8"}},
+    "_agc": {"comm": {"all_gather": "all_gather"}},  # the backend's all-gather (gloo's until issue 16's 4th round)
+    "_nohuge": {"comm": {"huge_pages": False}},  # plain 4 KiB pages per-step (the default until issue 16's 5th)
 }
 _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16", "fsdp_shard_bf16",
             "zero2_offload", "zero3_offload", "fsdp_shard_offload", "zero3_offload_all",
@@ -84,7 +86,7 @@ AA_CONTROLS = {"ddp_aa": "ddp", "fsdp2_aa": "fsdp2"}
 OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"]),
           "speed": ("single", "zero0") + tuple(AA_CONTROLS) + _KNOBBED
           + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
-DEFAULT_KNOBS = ("peak", "speed")  # suites that run every strategy with its default knobs (make_strategy)
+DEFAULT_KNOBS = ("peak", "speed")  # suites that run every strategy with its default options (make_strategy)
 
 
 def program_of(variant: str) -> str:
@@ -122,8 +124,8 @@ NOTES = {
     "zero3": "lightning_shard Zero3Strategy: every module with parameters is a unit",
     "fsdp_shard": "lightning_shard FSDPShardStrategy(wrap_classes=[GPT block]): one unit per block + root",
     "fsdp2": "torch FSDP2 fully_shard per block + root, Lightning ModelParallelStrategy (dp=N, tp=1, gloo)",
-    "zero2_nomask": "zero2 with find_unused_parameters=False (no used-mask all-reduce)",
-    "zero3_nomask": "zero3 with find_unused_parameters=False (no used-mask all-reduce)",
+    "zero2_nomask": "zero2 with tuning.find_unused_parameters=False (no used-mask all-reduce)",
+    "zero3_nomask": "zero3 with tuning.find_unused_parameters=False (no used-mask all-reduce)",
     "zero2_ac": "zero2 with activation_checkpointing='auto' (every block's forward recomputed in backward)",
     "zero3_ac": "zero3 with activation_checkpointing='auto'",
     "fsdp_shard_ac": "fsdp_shard with activation_checkpointing='auto'",
@@ -139,24 +141,25 @@ NOTES = {
     "zero2_rs": "zero2 with reduce_scatter_via='reduce_scatter'",
     "zero3_rs": "zero3 with reduce_scatter_via='reduce_scatter'",
     "fsdp_shard_rs": "fsdp_shard with reduce_scatter_via='reduce_scatter'",
-    "zero3_pf3": "zero3 with prefetch_depth=3 (three units gathered ahead)",
-    "zero3_pf1": "zero3 with prefetch_depth=1 (one unit gathered ahead; the default is 3)",
+    "zero3_pf3": "zero3 with tuning.prefetch_depth=3 (three units gathered ahead)",
+    "zero3_pf1": "zero3 with tuning.prefetch_depth=1 (one unit gathered ahead; the default is 3)",
     "zero1_ar": "zero1 with reduce_scatter_via='all_reduce' (an all-reduce of the bucket: gloo's default until the "
                 "all-to-all form, issue 16)",
     "zero2_ar": "zero2 with reduce_scatter_via='all_reduce'",
     "zero3_ar": "zero3 with reduce_scatter_via='all_reduce'",
     "fsdp_shard_ar": "fsdp_shard with reduce_scatter_via='all_reduce'",
-    "zero3_u0": "zero3 with min_unit_mb=0 (one unit per module with parameters: the plan before issue 16)",
-    "fsdp_shard_pf3": "fsdp_shard with prefetch_depth=3 (three units gathered ahead)",
-    "fsdp_shard_pf2": "fsdp_shard with prefetch_depth=2 (two units gathered ahead)",
-    "zero3_pf2": "zero3 with prefetch_depth=2 (two units gathered ahead)",
-    "zero2_q8r": "zero2 with reduce_quant='int8' (quantized reductions with error feedback, docs/compression.md)",
-    "zero2_q4r": "zero2 with reduce_quant='int4'",
-    "zero3_q8g": "zero3 with gather_quant='int8' (quantized parameter all-gathers)",
-    "zero3_q8r": "zero3 with reduce_quant='int8'",
-    "zero3_q4r": "zero3 with reduce_quant='int4'",
-    "zero3_q8": "zero3 with gather_quant='int8' and reduce_quant='int8'",
-    "fsdp_shard_q8": "fsdp_shard with gather_quant='int8' and reduce_quant='int8'",
+    "zero3_u0": "zero3 with tuning.min_unit_mb=0 (one unit per module with parameters: the plan before issue 16)",
+    "fsdp_shard_pf3": "fsdp_shard with tuning.prefetch_depth=3 (three units gathered ahead)",
+    "fsdp_shard_pf2": "fsdp_shard with tuning.prefetch_depth=2 (two units gathered ahead)",
+    "zero3_pf2": "zero3 with tuning.prefetch_depth=2 (two units gathered ahead)",
+    "zero2_q8r": "zero2 with compression.reduce_quant='int8' (quantized reductions with error feedback, "
+                 "docs/compression.md)",
+    "zero2_q4r": "zero2 with compression.reduce_quant='int4'",
+    "zero3_q8g": "zero3 with compression.gather_quant='int8' (quantized parameter all-gathers)",
+    "zero3_q8r": "zero3 with compression.reduce_quant='int8'",
+    "zero3_q4r": "zero3 with compression.reduce_quant='int4'",
+    "zero3_q8": "zero3 with compression.gather_quant='int8' and reduce_quant='int8'",
+    "fsdp_shard_q8": "fsdp_shard with compression.gather_quant='int8' and reduce_quant='int8'",
     "zero1_agc": "zero1 with all_gather_via='all_gather' (gloo's own all-gather after each step: the default until "
                  "the broadcast form, issue 16)",
     "zero2_agc": "zero2 with all_gather_via='all_gather'",
@@ -317,6 +320,17 @@ def deepspeed_config(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
 
 def make_strategy(args: argparse.Namespace, variant: str) -> Any:
+    """The strategy of ``variant``; a suffix's ``comm`` (how collectives run) is set on it, not passed as options."""
+    base, options = split_variant(program_of(variant))
+    strategy = _make_strategy(args, variant)
+    if "comm" in options:
+        from lightning_shard.engine.comm.choices import CommChoices
+
+        strategy.comm = CommChoices(**options["comm"])
+    return strategy
+
+
+def _make_strategy(args: argparse.Namespace, variant: str) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     import lightning_shard  # noqa: F401  (registers the strategy names)
@@ -330,17 +344,29 @@ def make_strategy(args: argparse.Namespace, variant: str) -> Any:
     if variant == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1,
                                      process_group_backend="gloo", save_distributed_checkpoint=True)
-    base, ac = split_variant(variant)  # ``<strategy><suffix>``: the strategy with the suffix's knobs (peak suite)
+    base, ac = split_variant(variant)  # ``<strategy><suffix>``: the strategy with the suffix's options (peak suite)
+    ac.pop("comm", None)  # set by make_strategy
     cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
            "zero2_nomask": Zero2Strategy}.get(base)
-    if getattr(args, "suite", None) in DEFAULT_KNOBS:  # default knobs (bucket_mb as the other suites pass it)
+    if getattr(args, "suite", None) in DEFAULT_KNOBS:  # default options (bucket_mb as the other suites pass it)
         if base == "zero3":
             return Zero3Strategy(**ac)
         if base == "fsdp_shard":
             return FSDPShardStrategy(wrap_classes=[block_class(args)], **ac)
-        return cls(bucket_mb=args.bucket_mb, **ac)
+        return cls(**merge_options({"tuning": {"bucket_mb": args.bucket_mb}}, ac))
     if variant in ("zero3", "zero3_nomask"):
-        return Zero3Strategy(accumulation="auto", find_unused_parameters=variant == "zero3")
+        return Zero3Strategy(accumulation="auto", tuning={"find_unused_parameters": variant == "zero3"})
     if variant == "fsdp_shard":
         return FSDPShardStrategy(wrap_classes=[block_class(args)], accumulation="auto")
-    return cls(bucket_mb=args.bucket_mb, accumulation="defer", find_unused_parameters=variant != "zero2_nomask")
+    return cls(accumulation="defer", tuning={"bucket_mb": args.bucket_mb,
+                                             "find_unused_parameters": variant != "zero2_nomask"})
+
+
+def merge_options(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Strategy options merged left to right, a group's mapping (``tuning={...}``) field by field."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            both = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = {**out[key], **value} if both else (dict(value) if isinstance(value, dict) else value)
+    return out

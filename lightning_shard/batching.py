@@ -1,4 +1,5 @@
-"""Batch arithmetic: accumulation steps are derived from the global and micro batch sizes (DESIGN rule 8).
+"""Batch arithmetic: accumulation steps are derived from the global and micro batch sizes
+(docs/architecture.md, "Design rules" 7).
 
 ``global_batch_size = micro_batch_size * world_size * accumulate_grad_batches``; users give the first
 two (in the recipe) and the launch shape gives ``world_size``; the accumulation count is never typed.

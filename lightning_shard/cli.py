@@ -2,8 +2,9 @@
 
 To add a subcommand, add `name: "package.module"` to SUBCOMMANDS and its one-line help to SUMMARIES; the
 module defines `register(subparsers)`, which adds its parser and sets `func=run` with `run(args) -> int`.
-Only the module of the subcommand being run is imported (`lightning-shard --help` imports none), and the
-modules keep heavy imports (torch, lightning) inside `run`, so that `--help` and `topo` stay fast.
+Only the module of the subcommand being run is imported (`lightning-shard --help` imports none). The package
+itself is imported first, as for any `lightning_shard.X`: it imports torch and Lightning, to register the strategy
+names (lightning_shard/__init__.py), so every command, `--help` included, starts with that import.
 """
 
 from __future__ import annotations

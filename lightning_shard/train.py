@@ -5,7 +5,7 @@ any rank is launched (``lightning_shard.app.checks``), derives ``accumulate_grad
 global and micro batch sizes and the world size the topology gives, fits, prints a summary table on rank 0
 and writes ``summary.json`` in the run folder. In ``-m`` sweeps a job whose strategy uses the default
 ``popen`` launcher runs in a fresh process (Lightning's subprocess launcher re-runs ``sys.argv``, which in a
-sweep would start the whole sweep again, in the wrong folder); with ``strategy.start_method=fork`` (or spawn)
+sweep would start the whole sweep again, in the wrong folder); with ``strategy.launch.start_method=fork`` (or spawn)
 the ranks are workers of the sweep process and jobs run in it, which saves a start-up per job. A sweep ends
 with ``report.md`` / ``report.png`` in the sweep folder (:class:`SweepReport`).
 
@@ -44,7 +44,7 @@ __all__ = ["CONF_DIR", "REQUIRED_KEYS", "SweepReport", "build_callbacks", "build
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     accumulate = check_config(cfg)  # before any rank is launched
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        if OmegaConf.select(cfg, "strategy.start_method", default="popen") == "popen":
+        if OmegaConf.select(cfg, "strategy.launch.start_method", default="popen") == "popen":
             return run_isolated()
         # fork/spawn: ranks are workers of this process, which itself never joins a process group, so the
         # next job starts clean; only the rendezvous port is dropped so that each job picks a fresh one

@@ -1,6 +1,7 @@
 """Recipes: LightningModules and DataModules that the strategies train.
 
-Recipes depend on Lightning and torch only; they never import ``lightning_shard.engine`` (DESIGN.md §3).
+Recipes depend on Lightning and torch only; they never import ``lightning_shard.engine``
+(docs/architecture.md, "Design rules" 1).
 """
 
 from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus

@@ -40,7 +40,7 @@ class Counts(L.Callback):
         self.blocks = [n for n, m in module.named_modules() if activation.checkpointed(m)]
         self.controller = trainer.strategy.engine.controller
         if self.controller is not None:
-            self.controller.record_events = True
+            self.controller.gathers.record_events = True
             self.unit_of = {f"unshard_bucket{b.index}": u.name for u in self.controller.units for b in u.buckets}
 
     def _count(self, *_: Any) -> None:
@@ -48,7 +48,7 @@ class Counts(L.Callback):
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._mark, self._n = C.LEDGER.mark(), 0
-        self._event = len(self.controller.events) if self.controller is not None else 0
+        self._event = len(self.controller.gathers.events) if self.controller is not None else 0
 
     def on_train_batch_end(self, *args: Any) -> None:
         entries = [e for e in C.LEDGER.since(self._mark) if e.op == "all_gather" and e.tag.startswith("unshard")]
@@ -56,15 +56,16 @@ class Counts(L.Callback):
         self.calls.append(self._n)
         if self.controller is not None:  # the controller's own record: (what, unit name), in order
             units = self.controller.units
-            self.events.append([(what, units[i].name) for what, i in self.controller.events[self._event:]])
+            self.events.append([(what, units[i].name) for what, i in self.controller.gathers.events[self._event:]])
 
     def on_train_end(self, trainer: Any, *args: Any) -> None:
         if self._handle is not None:
             self._handle.remove()
         # units the discovery saw run twice in one pass (gathered until the pass ends from then on)
         self.resident = [u.name for u in self.controller.units if u.resident] if self.controller is not None else []
-        self.schedule = [self.controller.units[i].name for i in self.controller.bwd_order] if self.controller else []
-        self.step_units = [u.name for u in self.controller.step_units] if self.controller is not None else []
+        self.schedule = [self.controller.units[i].name for i in self.controller.schedule.bwd_order] \
+            if self.controller else []
+        self.step_units = [u.name for u in self.controller.schedule.step_units] if self.controller is not None else []
 
 
 def _strategy(name: str, **kwargs: Any) -> Any:

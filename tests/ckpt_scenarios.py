@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shard.engine.comm import collectives as C
 from lightning_shard.strategies import FSDPShardStrategy, ShardedCheckpointIO, Zero3Strategy, ZeroStrategy
-from tests.scenarios import ResumePoint
+from tests.scenarios import ResumePoint, full_optimizer_state, merge_options
 from tests.zoo import MICRO, RankMicroBatches, ZooModule, dataset
 
 GLOBAL_MICRO = 4  # micro-batches per optimizer step, over all ranks
@@ -26,7 +26,7 @@ def make(kind: str, **kw: Any):
         return Zero3Strategy(**kw)
     if kind == "fsdp":
         return FSDPShardStrategy(wrap_classes=["Linear"], **kw)
-    return ZeroStrategy(stage=int(kind[-1]), **{"bucket_mb": 0.0005, **kw})
+    return ZeroStrategy(stage=int(kind[-1]), **merge_options({"tuning": {"bucket_mb": 0.0005}}, kw))
 
 
 def _full_state(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
@@ -55,7 +55,7 @@ def fit_ckpt(kind: str, steps: int, ckpt_dir: Optional[str] = None, resume_from:
     data = dataset(3, acc, world)  # one epoch = 3 optimizer steps; same samples for every world size
     trainer.fit(module, DataLoader(data, batch_sampler=RankMicroBatches(len(data), acc, world, rank)),
                 ckpt_path=resume_from)
-    opt = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    opt = full_optimizer_state(trainer.strategy, trainer.optimizers[0])
     steps_per_param = {i: float(st["step"]) for i, st in opt["state"].items() if "step" in st}
     return {"state": _full_state(trainer, module), "first": point.first, "steps_taken": point.steps_taken,
             "steps_per_param": steps_per_param}
@@ -76,7 +76,7 @@ def plain_fit(steps: int, resume_from: Optional[str] = None) -> dict[str, torch.
 
 def save_then_crash(path: str, crash_rank: int) -> str:
     """A sharded save during which ``crash_rank`` dies (SIGKILL-like ``os._exit``) while writing its file."""
-    import lightning_shard.checkpoint.io as ck
+    import lightning_shard.checkpoint.save_load as ck
 
     real = ck.write_rank_file
 
@@ -100,18 +100,24 @@ def save_then_crash(path: str, crash_rank: int) -> str:
 
 
 def state_dict_seen_by_callbacks(kind: str, path: str) -> dict[str, Any]:
-    """What a callback reading ``strategy.lightning_module_state_dict()`` at the end of an epoch gets, and what
-    an ``on_save_checkpoint`` hook reading ``checkpoint["state_dict"]`` gets during a sharded save."""
+    """What a callback reading ``strategy.lightning_module_state_dict()`` (the sharded placeholder) and
+    ``strategy.full_state_dict()`` at the end of an epoch gets, and what an ``on_save_checkpoint`` hook reading
+    ``checkpoint["state_dict"]`` gets during a sharded save."""
     seen: dict[str, Any] = {}
 
     class Averager(L.Callback):
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            sd = trainer.strategy.lightning_module_state_dict()
-            full = trainer.strategy.full_state_dict()
-            seen["keys"] = sorted(sd)
+            sd = trainer.strategy.lightning_module_state_dict()  # sharded: what Lightning's save gets
+            try:
+                list(sd.keys())
+                seen["placeholder_error"] = "no error"
+            except RuntimeError as err:
+                seen["placeholder_error"] = str(err)
+            full = trainer.strategy.full_state_dict()  # the full weights, on demand (collective)
+            seen["keys"] = sorted(full)
             seen["module_keys"] = sorted(module.state_dict())
-            seen["equal"] = all(torch.equal(sd[k], full[k]) and sd[k].shape == full[k].shape for k in full)
-            opt = trainer.strategy.optimizer_state(trainer.optimizers[0])
+            seen["equal"] = all(full[k].numel() > 0 for k in full)
+            opt = full_optimizer_state(trainer.strategy, trainer.optimizers[0])
             seen["optimizer_steps"] = len(opt["state"])
             trainer.save_checkpoint(path)  # during training: the engine holds the shards (stage 3 too)
 

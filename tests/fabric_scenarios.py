@@ -319,7 +319,7 @@ def shard_alias_probe(strategy: str, model: str = "torch_lm") -> dict[str, Any]:
     opt = _optimizer(net, "adam")
     net, opt = fabric.setup(net, opt)
     engine = fabric.strategy.engine
-    shards = {b.shard.untyped_storage().data_ptr() for b in engine.buckets}
+    shards = {b.store.shard.untyped_storage().data_ptr() for b in engine.buckets}
     seen: list[bool] = []
 
     def probe(module: nn.Module, _args: Any) -> None:

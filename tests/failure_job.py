@@ -47,7 +47,7 @@ class Net(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-TIMEOUT_S = 10  # the collective timeout (timeout_s)
+TIMEOUT_S = 10  # the collective timeout (safety.timeout_s)
 
 
 class Trouble(L.Callback):
@@ -72,7 +72,7 @@ def main(mode, out):
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g))  # 2 steps per epoch
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
-    strategy = (Zero3Strategy if mode == "diverge" else Zero2Strategy)(timeout_s=TIMEOUT_S)
+    strategy = (Zero3Strategy if mode == "diverge" else Zero2Strategy)(safety={"timeout_s": TIMEOUT_S})
     point, trouble = ResumePoint(), Trouble(mode)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -410,8 +410,11 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
     if strategy_kwargs is not None:
         from lightning.pytorch.strategies import StrategyRegistry
 
-        entry = StrategyRegistry[strategy]
-        strategy = entry["strategy"](**dict(entry["init_params"], **strategy_kwargs))
+        from tests.scenarios import with_comm
+
+        entry, kwargs = StrategyRegistry[strategy], dict(strategy_kwargs)
+        comm = kwargs.pop("comm", None)  # how collectives run: set on the strategy, not an option
+        strategy = with_comm(entry["strategy"](**dict(entry["init_params"], **kwargs)), comm)
     calls = ModuleCalls(count_calls) if count_calls else None
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                         accumulate_grad_batches=acc, use_distributed_sampler=False, logger=False,
@@ -432,13 +435,16 @@ def fit_foreign(name: str, strategy: Any, steps: int, acc: int, optimizer: str =
     finally:
         hostmem.advise = advise
     engine = getattr(trainer.strategy, "engine", None)
-    opt_state = trainer.strategy.optimizer_state(trainer.optimizers[0]) if with_optimizer else None
+    paths = [(b.layout.padded_numel * b.itemsize, b.gather.all_gather.name) for b in engine.buckets
+             if b.trainable] if engine else []
+    from tests.scenarios import full_optimizer_state
+
+    opt_state = full_optimizer_state(trainer.strategy, trainer.optimizers[0]) if with_optimizer else None
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None,
             "policy": getattr(trainer.strategy, "accumulation_policy", None),
             "calls": calls.ran if calls else None, "optimizer": opt_state if rank == 0 else None,
-            "gather_paths": sorted({b.ag_path for b in engine.buckets if b.trainable}) if engine else [],
-            "bucket_paths": [(b.layout.padded_numel * b.itemsize, b.ag_path) for b in engine.buckets if b.trainable]
-            if engine else [],
+            "gather_paths": sorted({path for _, path in paths}),
+            "bucket_paths": paths,
             "advised": sum(advised), "not_advised": len(advised) - sum(advised)}
 
 

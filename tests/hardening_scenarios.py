@@ -56,7 +56,7 @@ def desync_wrap_policy() -> str:
 
 
 def rogue_collective() -> str:
-    """debug_collectives on a real desync the backend does not notice: at step 1 rank 0 reduces a float32 metric
+    """safety.debug_collectives on a real desync the backend does not notice: at step 1 rank 0 reduces a float32 metric
     and rank 1 an int32 one of the same byte size (gloo pairs the bytes and sums garbage, silently)."""
 
     class Rogue(_Widths):
@@ -68,7 +68,7 @@ def rogue_collective() -> str:
             return loss
 
     try:
-        _trainer(ZeroStrategy(stage=1, debug_collectives=True), 4).fit(
+        _trainer(ZeroStrategy(stage=1, safety={"debug_collectives": True}), 4).fit(
             Rogue(8), DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=2))
     except ValueError as err:
         return str(err)
@@ -86,7 +86,7 @@ class _NaNAtStep(_Widths):
 def nonfinite(skip: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     module = _NaNAtStep(8)
-    trainer = _trainer(ZeroStrategy(stage=2, skip_nonfinite=skip), 4)
+    trainer = _trainer(ZeroStrategy(stage=2, safety={"skip_nonfinite": skip}), 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -128,7 +128,7 @@ def many_params(stage: int) -> dict[str, Any]:
 
     module = ManyParams()
     rec = Recorder()
-    kw = {"bucket_mb": 1.0} if stage < 3 else {}
+    kw = {"tuning": {"bucket_mb": 1.0}} if stage < 3 else {}
     strategy = ZeroStrategy(stage=stage, **kw) if stage < 3 else Zero3Strategy()
     from tests.zoo import RankMicroBatches
 
@@ -156,7 +156,7 @@ class _Soak(L.Callback):
         step = trainer.global_step
         if (args[-1] + 1) % trainer.accumulate_grad_batches == 0:  # right after an optimizer step
             self.gathered_after_step.append(engine.controller.gathered_bytes())
-            self.pending.append(sum(b._gather_work is not None or b._work is not None for b in engine.buckets))
+            self.pending.append(sum(b.gather.work is not None or b.grads.in_flight is not None for b in engine.buckets))
         if step in (300, 1000):
             self.rss[step] = psutil.Process().memory_info().rss
 

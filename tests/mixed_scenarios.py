@@ -135,7 +135,11 @@ def offload_layout(stage: int, offload: bool, offload_params: bool = False) -> d
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    engine = ShardEngine(model, [opt], stage=stage, offload_optimizer=offload, offload_params=offload_params)
+    from lightning_shard.options import options_for
+
+    stage3 = {"offload_params": offload_params} if stage == 3 else {}
+    engine = ShardEngine(model, [opt], options_for(f"zero{stage}", accumulation="keep_unsharded_grads" if stage == 3
+                                                   else "defer", offload_optimizer=offload, **stage3))
     gathered_from: list[int] = []
     real = C.all_gather
 
@@ -153,12 +157,13 @@ def offload_layout(stage: int, offload: bool, offload_params: bool = False) -> d
     engine.wait_params()
     C.all_gather = real
     b = engine.buckets[0]
-    held = b.shard if b.spec.shards_params else b.flat_param
+    shard = b.store.shard
+    held = shard if b.spec.shards_params else b.store.flat_param
     state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() >= 1]
     out = {"separate": b.shard_param.untyped_storage().data_ptr() != held.untyped_storage().data_ptr(),
            "state_numel": sum(t.numel() for t in state), "owned": sum(x.owned_numel for x in engine.buckets),
            "report": engine.memory_report(), "pinned": [bool(t.is_pinned()) for t in state] if offload else [],
            "state_devices": sorted({t.device.type for t in state}),
-           "staged": bool(gathered_from) and b.shard is not None and b.shard.data_ptr() not in gathered_from}
+           "staged": bool(gathered_from) and shard is not None and shard.data_ptr() not in gathered_from}
     engine.remove_hooks()
     return out

@@ -107,7 +107,7 @@ class Recorder(L.Callback):
         self._mark = C.LEDGER.mark()
         controller = trainer.strategy.engine.controller
         if controller is not None and self.record_events:
-            controller.events.append(("batch", batch_idx))  # where each micro-batch's events start
+            controller.gathers.events.append(("batch", batch_idx))  # where each micro-batch's events start
 
     def on_train_batch_end(self, *args: Any) -> None:
         entries = C.LEDGER.since(self._mark)
@@ -121,7 +121,7 @@ class Recorder(L.Callback):
     def on_train_start(self, trainer: Any, *args: Any) -> None:
         controller = trainer.strategy.engine.controller
         if controller is not None and self.record_events:
-            controller.record_events = True
+            controller.gathers.record_events = True
 
 
 class ResumePoint(L.Callback):
@@ -140,16 +140,51 @@ class ResumePoint(L.Callback):
         self.steps_taken += 1
 
 
+def full_optimizer_state(strategy: Any, optimizer: Any) -> dict:
+    """The full optimizer state: ours gather it on demand (collective), Lightning's own strategies hold it."""
+    return getattr(strategy, "full_optimizer_state", strategy.optimizer_state)(optimizer)
+
+
+def merge_options(*parts: Optional[dict], **changes: Any) -> dict:
+    """Strategy options merged left to right, a group's mapping (``tuning={...}``) field by field:
+    ``merge_options({"tuning": {"prefetch_depth": 1}}, tuning={"min_unit_mb": 0})`` keeps both fields."""
+    out: dict[str, Any] = {}
+    for part in (*parts, changes):
+        for key, value in (part or {}).items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            else:
+                out[key] = dict(value) if isinstance(value, dict) else value
+    return out
+
+
+def with_comm(strategy: Any, comm: Optional[dict]) -> Any:
+    """``comm``: how collectives run (``{"reduce_scatter": "all_reduce"}``, engine/comm/choices.py), set on the
+    strategy as the benchmarks do (not an option); None: the engine's per-backend choice."""
+    if comm is not None:
+        from lightning_shard.engine.comm.choices import CommChoices
+
+        strategy.comm = CommChoices(**comm)
+    return strategy
+
+
 def make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: Optional[bool], **extra: Any):
-    """``find_unused=None``: the strategy's default (what a user gets without the knob)."""
+    """``find_unused=None``: the strategy's default (what a user gets without the option). ``comm``: see
+    :func:`with_comm`."""
+    comm = extra.pop("comm", None)
+    return with_comm(_make_strategy(stage, accumulation, bucket_mb, find_unused, **extra), comm)
+
+
+def _make_strategy(stage: Any, accumulation: str, bucket_mb: float, find_unused: Optional[bool], **extra: Any):
     if find_unused is not None:
-        extra["find_unused_parameters"] = find_unused
+        extra = merge_options(extra, tuning={"find_unused_parameters": find_unused})
     if stage == "auto":
         from lightning_shard.strategies import AutoStrategy
 
         return AutoStrategy(**extra)
     if stage < 3:
-        return ZeroStrategy(stage=stage, accumulation=accumulation, bucket_mb=bucket_mb, **extra)
+        return ZeroStrategy(stage=stage, accumulation=accumulation,
+                            **merge_options({"tuning": {"bucket_mb": bucket_mb}}, extra))
     cls = FSDPShardStrategy if "wrap_classes" in extra or "min_params" in extra else Zero3Strategy
     return cls(accumulation=accumulation, **extra)
 
@@ -196,7 +231,7 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "per_batch": recorder.per_batch,
         "reduce_ops": {op for entries in recorder.per_batch for op, tag, _ in entries if tag.startswith("grad_bucket")},
         "gather_calls": dict(recorder.gather_calls),
-        "gather_paths": sorted({b.ag_path for b in engine.buckets if b.trainable}),
+        "gather_paths": sorted({b.gather.all_gather.name for b in engine.buckets if b.trainable}),
         "per_batch_groups": recorder.per_batch_groups,
         "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
         "axes": trainer.strategy._groups.axes,
@@ -207,14 +242,14 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "param_dtype": next(module.parameters()).dtype,
         "optimizer_tensors": sum(len(b.chunks) for b in engine.buckets if b.trainable),
         "policy": strategy.accumulation_policy,
-        "opt_state": trainer.strategy.optimizer_state(opt) if save_to else None,
+        "opt_state": full_optimizer_state(trainer.strategy, opt) if save_to else None,
         "units": [u.name for u in engine.units],
-        "step_units": [u.name for u in engine.controller.step_units] if engine.controller else [],
+        "step_units": [u.name for u in engine.controller.schedule.step_units] if engine.controller else [],
         "unit_buckets": [len(u.buckets) for u in engine.units],
         "unit_bytes": [u.full_bytes for u in engine.units],
         "peak_gathered": engine.controller.peak_gathered_bytes if engine.controller else 0,
         "root_bytes": engine.controller.root.full_bytes if engine.controller and engine.controller.root else 0,
-        "events": engine.controller.events if engine.controller else [],
+        "events": engine.controller.gathers.events if engine.controller else [],
         "step_memory": recorder.step_memory,
         "bucket_trainable": [b.trainable for b in engine.buckets],
         "numel_trainable": sum(b.layout.numel for b in engine.buckets if b.trainable),

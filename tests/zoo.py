@@ -3,7 +3,7 @@
 :class:`ZooModule` covers, in one small model: a parameter count not divisible by the world size, tied
 weights (embedding = output head), a frozen submodule, a parameter unused on odd optimizer steps, BatchNorm
 buffers and two param groups with different hyperparameters. SGD with momentum keeps the update linear in
-the gradient, so fp32 parity is tight (DESIGN.md section 6).
+the gradient, so fp32 parity is tight ("Design rules" 8).
 
 Data layout: a reference run with micro-batch ``m`` and ``accumulate_grad_batches = acc * world`` sees the
 global micro-batches of each step in order; rank ``r`` of a distributed run with ``acc`` micro-batches per

@@ -1,10 +1,10 @@
-"""Checks that run before any rank is launched: every error names the config key and the fix (DESIGN rule 3).
+"""Checks that run before any rank is launched: every error names the config key and the fix ("Design rules" 10).
 
 Works on the plain, resolved config (``OmegaConf.to_container(cfg, resolve=True)``), so no Hydra here.
 
 - ``_target_`` importable, and every other key a keyword of the target (close matches suggested);
 - value types against the target's defaults (``bool`` stays bool, numbers stay numbers);
-- value choices read from the strategies' knob dataclasses (``strategies/config.py``) so they never drift;
+- value choices read from the options dataclasses (``lightning_shard/options.py``) so they never drift;
 - hybrid sharding needs more than one shard group on the chosen topology;
 - local recipe paths (``recipe.model.name_or_path``) must exist;
 - the batch arithmetic (:func:`lightning_shard.batching.derive_accumulation`).
@@ -12,6 +12,7 @@ Works on the plain, resolved config (``OmegaConf.to_container(cfg, resolve=True)
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from lightning_shard.batching import derive_accumulation
-from lightning_shard.strategies.config import ZeroConfig
+from lightning_shard.options import Launch
 
 # keys of a target node that are Hydra's, not the target's
 _HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
@@ -52,15 +53,15 @@ def import_target(path: Any, key: str) -> Any:
 
 def _accepted(target: Any) -> tuple[Optional[list[str]], dict[str, Any]]:
     """(keyword names or None when ``**kwargs`` takes anything, defaults)."""
-    knobs = getattr(target, "KNOBS", None)
+    options = getattr(target, "OPTIONS", None)  # a lightning_shard strategy: its options and Lightning's arguments
     fn = target.__init__ if inspect.isclass(target) else target
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return None, {}
     defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-    if knobs is not None:
-        return list(knobs), defaults
+    if options is not None:
+        return list(options.names() + target.LIGHTNING_ARGS), options.defaults()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None, defaults
     return [n for n in params if n != "self"], defaults
@@ -80,34 +81,58 @@ def check_target_node(node: Mapping[str, Any], key: str, provided: tuple[str, ..
             raise ConfigError(f"{key}.{name} is not a keyword of {node['_target_']}{did_you_mean(name, valid)}; valid "
                               f"keys: {', '.join(v for v in valid if v not in provided)}")
         default = defaults.get(name)
-        if value is None or default is None:
+        if dataclasses.is_dataclass(default):  # an option group: its fields, each like its default
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}.{name}={value!r} must be a group of keys ({', '.join(default.names())})")
+            group_defaults = default.defaults()
+            for field_name, field_value in value.items():
+                if field_name not in group_defaults:
+                    raise ConfigError(f"{key}.{name}.{field_name} is not a field of {type(default).__name__}"
+                                      f"{did_you_mean(field_name, list(group_defaults))}; valid keys: "
+                                      f"{', '.join(group_defaults)}")
+                _check_value(f"{key}.{name}.{field_name}", field_value, group_defaults[field_name])
             continue
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise ConfigError(f"{key}.{name}={value!r} must be true or false")
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
-                isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{key}.{name}={value!r} must be a number like its default {default!r}")
-        if (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
-                and not value.is_integer()):
-            raise ConfigError(f"{key}.{name}={value!r} must be an integer (default {default!r})")
-        if isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(f"{key}.{name}={value!r} must be a string (default {default!r})")
+        _check_value(f"{key}.{name}", value, default)
     return target
+
+
+def _check_value(key: str, value: Any, default: Any) -> None:
+    """``value`` has the type of ``default`` (bool stays bool, numbers stay numbers)."""
+    if value is None or default is None:
+        return
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+            isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{key}={value!r} must be a number like its default {default!r}")
+    if (isinstance(default, int) and not isinstance(default, bool) and isinstance(value, float)
+            and not value.is_integer()):
+        raise ConfigError(f"{key}={value!r} must be an integer (default {default!r})")
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r} must be a string (default {default!r})")
 
 
 def check_strategy(node: Mapping[str, Any], islands_per_node: int, num_nodes: int, world_size: int,
                    key: str = "strategy") -> None:
     cls = check_target_node(node, key)
-    # the knob dataclass of a lightning_shard strategy (strategies/config.py); another target (Lightning's DDP) has
-    # its start_method and reduce_dtype checked against ours
-    config = getattr(cls, "CONFIG", ZeroConfig)
-    names = config.names() if hasattr(cls, "CONFIG") else ("start_method", "reduce_dtype")
+    # the options of a lightning_shard strategy (lightning_shard/options.py), a group's fields included; another
+    # target (Lightning's DDP) has its start_method checked against ours
+    options = getattr(cls, "OPTIONS", None)
     stage = node.get("stage") if node.get("stage") is not None else getattr(cls, "DEFAULT_STAGE", None)
-    for name in names:
-        valid = config.choices(name, stage)
-        if name in node and valid is not None and node[name] not in valid:
-            raise ConfigError(f"{key}.{name}={node[name]!r} is not valid for {cls.__name__}; choose one of "
-                              f"{', '.join(map(str, valid))}{did_you_mean(str(node[name]), [str(v) for v in valid])}")
+    checks: list[tuple[str, Any, Optional[tuple]]] = []
+    if options is None:
+        checks.append((f"{key}.start_method", node.get("start_method"), Launch.choices("start_method")))
+    else:
+        for f in dataclasses.fields(options):
+            if "group" in f.metadata and isinstance(node.get(f.name), Mapping):
+                checks += [(f"{key}.{f.name}.{n}", node[f.name].get(n), f.metadata["group"].choices(n))
+                           for n in f.metadata["group"].names() if n in node[f.name]]
+            elif f.name in node:
+                checks.append((f"{key}.{f.name}", node[f.name], options.choices(f.name, stage)))
+    for name, value, valid in checks:
+        if value is not None and valid is not None and value not in valid:
+            raise ConfigError(f"{name}={value!r} is not valid for {cls.__name__}; choose one of "
+                              f"{', '.join(map(str, valid))}{did_you_mean(str(value), [str(v) for v in valid])}")
     shard = node.get("shard_size")
     if shard is None:
         return

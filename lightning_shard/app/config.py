@@ -4,6 +4,7 @@ loggers from the composed config."""
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from pathlib import Path
@@ -68,9 +69,37 @@ def check_config(cfg: DictConfig) -> int:
         raise ConfigError(f"trainer.{unknown[0]}: not a keyword of lightning.Trainer"
                           f"{did_you_mean(unknown[0], sorted(accepted))}; nothing was started")
     resolve_ckpt_path(cfg)  # raises when there is nothing to resume from
+    for key in map(str, cfg.strategy):  # a group's field added flat (+strategy.bucket_mb=5): where it lives
+        value = OmegaConf.select(cfg.strategy, key, default=None, throw_on_resolution_failure=False)
+        text = str(value).lower() if isinstance(value, bool) else None if value is None else str(value)
+        moved = grouped_key_hint(cfg.strategy, "strategy", key, text, close=False)
+        if moved:
+            raise ConfigError(f"strategy.{key}: not an option of {cfg.strategy._target_}; {moved}")
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in _CHECKED_SECTIONS}
     islands = topology_fact(plain["topology"], "islands_per_node")
     return check_all(plain, islands)
+
+
+def grouped_key_hint(node: Any, parent: str, leaf: str, value: Optional[str] = None,
+                     close: bool = True) -> Optional[str]:
+    """Where a key given flat lives when a group of ``node`` holds it (the strategies' options are grouped:
+    ``strategy.bucket_mb`` is ``strategy.tuning.bucket_mb``), or (``close``) its close match among the groups'
+    fields (``strategy.bucket_mbb``); None when no group of ``node`` has such a field."""
+    if not isinstance(node, DictConfig):
+        return None
+    groups = {str(k): [str(f) for f in child.keys()] for k, child in node.items_ex(resolve=False)
+              if isinstance(child, DictConfig) and k != "hydra"}
+    prefix = f"{parent}." if parent else ""
+    for group, fields in groups.items():
+        if leaf in fields:
+            return (f"{leaf} is an option of the {group} group: {prefix}{group}.{leaf}={value if value else '...'}"
+                    f" (YAML: {group}: {{{leaf}: ...}})")
+    dotted = [f"{group}.{f}" for group, fields in groups.items() for f in fields]
+    match = difflib.get_close_matches(leaf, [d.split(".", 1)[1] for d in dotted], n=1) if close else []
+    if match:
+        where = next(d for d in dotted if d.split(".", 1)[1] == match[0])
+        return f"did you mean {prefix}{where}? (an option of the {where.split('.')[0]} group)"
+    return None
 
 
 def owned_key_message(key: str) -> str:

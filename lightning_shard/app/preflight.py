@@ -8,7 +8,14 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import ConfigError, did_you_mean
-from .config import _OWNED_TRAINER_KEYS, CONF_DIR, check_config, owned_key_message, trainer_keywords
+from .config import (
+    _OWNED_TRAINER_KEYS,
+    CONF_DIR,
+    check_config,
+    grouped_key_hint,
+    owned_key_message,
+    trainer_keywords,
+)
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -25,6 +32,15 @@ def _compose(overrides: list[str]) -> DictConfig:
 
 def _group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _value_of(key: str, overrides: Sequence[str]) -> Optional[str]:
+    """The value ``overrides`` give ``key`` (``key=value``, ``+key=value``), or None."""
+    for o in overrides:
+        name, eq, value = o.partition("=")
+        if eq and name.lstrip("+~") == key:
+            return value
+    return None
 
 
 def explain(err: BaseException, overrides: Sequence[str]) -> str:
@@ -64,7 +80,11 @@ def explain(err: BaseException, overrides: Sequence[str]) -> str:
             if isinstance(e, ConfigKeyError) or "not in" in str(e.msg if hasattr(e, "msg") else e):
                 valid = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
                 valid = [k for k in valid if k != "hydra"]
-                return (f"{key}: no such key{did_you_mean(leaf, valid)}; valid keys of "
+                hint = did_you_mean(leaf, valid)
+                moved = grouped_key_hint(node, parent, leaf, _value_of(key, overrides), close=not hint)
+                if moved:  # a group's field given flat (strategy.bucket_mb: strategy.tuning.bucket_mb)
+                    return f"{key}: no such key; {moved}"
+                return (f"{key}: no such key{hint}; valid keys of "
                         f"{parent or 'the config'}: {', '.join(valid)}")
             if isinstance(e, ValidationError):
                 current = OmegaConf.select(base, key, default=None, throw_on_resolution_failure=False)

@@ -1,10 +1,11 @@
 """Structured-config schemas: the keys and types every config group may hold.
 
-Plain dataclasses (no Hydra import here, DESIGN §3); ``lightning_shard.train`` stores them in Hydra's
+Plain dataclasses (no Hydra import here, "Design rules" 1); ``lightning_shard.train`` stores them in Hydra's
 ConfigStore under ``schema/<group>/<name>`` and the YAML files (or ``conf/train.yaml`` for groups whose files
 belong to someone else, e.g. ``conf/topology``) list them first in their defaults, so a typo or a wrong type
-fails at composition time with the full key. The strategy schemas are generated from the knob dataclasses
-(``lightning_shard/strategies/config.py``), so ``conf/strategy/*.yaml`` hold only what differs from the defaults.
+fails at composition time with the full key. The strategy schemas are generated from the options dataclasses
+(``lightning_shard/options.py``; a group is a nested node, ``strategy.tuning.bucket_mb``), so
+``conf/strategy/*.yaml`` hold only what differs from the defaults.
 Value *choices* (``accumulation`` per stage, ``start_method`` ...) are checked by
 :mod:`lightning_shard.app.checks`, which reads them from the same dataclasses.
 """
@@ -16,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_shard.strategies.config import AutoConfig, FSDPConfig, Zero3Config, ZeroConfig
+from lightning_shard.options import AutoOptions, FSDPOptions, Zero3Options, ZeroOptions
 
 # ------------------------------------------------------------------------------------------ strategy/
 _OMEGACONF_TYPES = (str, int, float, bool)
@@ -34,25 +35,40 @@ def _omegaconf_type(hint: Any) -> Any:
     return Any
 
 
-def strategy_schema(name: str, config: type, target: str, doc: str) -> type:
-    """The structured-config schema of a strategy config dataclass: ``_target_`` plus every knob that is a Hydra
-    key, with its default and an OmegaConf-compatible type (the knobs themselves: ``strategies/config.py``)."""
-    hints = typing.get_type_hints(config)
-    knobs = [(f.name, _omegaconf_type(hints[f.name]), field(default=f.default))
-             for f in dataclasses.fields(config) if f.metadata.get("hydra", True)]
-    schema = dataclasses.make_dataclass(name, [("_target_", str, field(default=target)), *knobs])
+def _fields(options: type) -> list[tuple[str, Any, Any]]:
+    """The Hydra keys of an options dataclass: each with an OmegaConf-compatible type and its default; a group as a
+    nested schema of its own fields."""
+    hints = typing.get_type_hints(options)
+    out: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(options):
+        if not f.metadata.get("hydra", True):
+            continue
+        if "group" in f.metadata:
+            group = f.metadata["group"]
+            nested = dataclasses.make_dataclass(f"{group.__name__}Conf", _fields(group))
+            nested.__module__ = __name__
+            out.append((f.name, nested, field(default_factory=nested)))
+        else:
+            out.append((f.name, _omegaconf_type(hints[f.name]), field(default=f.default)))
+    return out
+
+
+def strategy_schema(name: str, options: type, target: str, doc: str) -> type:
+    """The structured-config schema of a strategy's options dataclass: ``_target_`` plus every option that is a
+    Hydra key, with its default and an OmegaConf-compatible type (the options themselves: ``options.py``)."""
+    schema = dataclasses.make_dataclass(name, [("_target_", str, field(default=target)), *_fields(options)])
     schema.__doc__, schema.__module__ = doc, __name__
     return schema
 
 
-ZeroStrategyConf = strategy_schema("ZeroStrategyConf", ZeroConfig, "lightning_shard.strategies.Zero2Strategy",
-                                   "zero0 / zero1 / zero2 (and zero2_hybrid): ZeroConfig's knobs.")
-Zero3StrategyConf = strategy_schema("Zero3StrategyConf", Zero3Config, "lightning_shard.strategies.Zero3Strategy",
-                                    "zero3 (and zero3_hybrid): ZeroConfig's knobs plus parameter sharding per module.")
-FSDPShardStrategyConf = strategy_schema("FSDPShardStrategyConf", FSDPConfig,
+ZeroStrategyConf = strategy_schema("ZeroStrategyConf", ZeroOptions, "lightning_shard.strategies.Zero2Strategy",
+                                   "zero0 / zero1 / zero2 (and zero2_hybrid): ZeroOptions.")
+Zero3StrategyConf = strategy_schema("Zero3StrategyConf", Zero3Options, "lightning_shard.strategies.Zero3Strategy",
+                                    "zero3 (and zero3_hybrid): ZeroOptions plus parameter sharding per module.")
+FSDPShardStrategyConf = strategy_schema("FSDPShardStrategyConf", FSDPOptions,
                                         "lightning_shard.strategies.FSDPShardStrategy",
                                         "fsdp_shard (and fsdp_shard_hybrid): units chosen by a wrap policy.")
-AutoStrategyConf = strategy_schema("AutoStrategyConf", AutoConfig, "lightning_shard.strategies.AutoStrategy",
+AutoStrategyConf = strategy_schema("AutoStrategyConf", AutoOptions, "lightning_shard.strategies.AutoStrategy",
                                    "strategy=auto: the planner picks the strategy, policy and layout at setup.")
 
 
@@ -91,7 +107,7 @@ class TopologyConf:
 # ------------------------------------------------------------------------------------------ recipe/
 @dataclass
 class RecipeConf:
-    """A recipe: model + data + batch, and what it is for (DESIGN rule 7)."""
+    """A recipe: model + data + batch, and what it is for ("Design rules" 12)."""
 
     name: str = "?"
     hardware: str = "?"  # what the recipe targets

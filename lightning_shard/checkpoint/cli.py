@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from lightning_shard.checkpoint.consolidate import lightning_checkpoint, model_state
-    from lightning_shard.checkpoint.io import open_reader
+    from lightning_shard.checkpoint.save_load import open_reader
 
     reader = open_reader(args.ckpt)
     if args.hf or args.hf_adapter:

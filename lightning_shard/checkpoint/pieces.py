@@ -35,7 +35,7 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
     """(pieces, index entries ``key -> [lo, hi]``, meta) for this rank. Meta is identical on every rank."""
     engine.wait_params()
     aliases = param_aliases(engine.module)
-    first_replica = engine.replicate_group is None or C.get_rank(engine.replicate_group) == 0
+    first_replica = engine.groups.replicate is None or C.get_rank(engine.groups.replicate) == 0
     global_rank = C.get_rank()
     pieces: dict[str, torch.Tensor] = {}
     index: dict[str, list] = {}
@@ -44,7 +44,8 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
     for b in engine.buckets:
         writer = first_replica and (b.spec.reduce_scatters or global_rank == 0)
         binding = engine.bindings[b.opt_index] if b.trainable else None
-        states = b.slot_state(binding.optimizer.state) if binding is not None else {}
+        states = b.optimizer_view.slot_state(binding.optimizer.state) if binding is not None else {}
+        store = b.store
         for si, (slot, p) in enumerate(zip(b.layout.slots, b.params)):
             name = aliases[id(p)][0]
             shapes[name] = list(slot.shape)
@@ -53,11 +54,12 @@ def collect_pieces(engine: "ShardEngine") -> tuple[dict[str, torch.Tensor], dict
             if not writer or a >= e:
                 continue
             rng = [a - slot.offset, e - slot.offset]
-            src = b.flat_param[a:e] if not b.spec.shards_params else b.shard[a - b.shard_start:e - b.shard_start]
+            lo, hi = a - b.shard_start, e - b.shard_start
+            src = store.flat_param[a:e] if not b.spec.shards_params else store.shard[lo:hi]
             pieces[f"param/{name}"], index[f"param/{name}"] = src, rng
             own = slice(a - b.own_lo, e - b.own_lo)
-            if b.master is not None:
-                pieces[f"master/{name}"], index[f"master/{name}"] = b.master[own], rng
+            if store.master is not None:
+                pieces[f"master/{name}"], index[f"master/{name}"] = store.master[own], rng
             for k, v in states.get(si, {}).items():  # this parameter's own optimizer state (absent: never stepped)
                 key = f"optim/{b.opt_index}/{name}/{k}"
                 if torch.is_tensor(v) and v.dim() == 1 and v.numel() == e - a:
@@ -116,6 +118,7 @@ def load_pieces(engine: "ShardEngine", reader: Reader, params: bool, optimizer: 
 
 def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
     b.drop_secondary()  # hpZ's island copies hold the values before the load
+    shard, master = b.store.shard, b.store.master
     with torch.no_grad():
         for slot, p in zip(b.layout.slots, b.params):
             name = aliases[id(p)][0]
@@ -123,19 +126,19 @@ def _load_bucket_params(b: Any, reader: Reader, aliases: dict) -> None:
                 a, e = max(slot.offset, b.shard_start), min(slot.end, b.shard_end)
                 key = f"master/{name}" if reader.has(f"master/{name}") else f"param/{name}"
                 if a < e:
-                    b.shard[a - b.shard_start:e - b.shard_start].copy_(
+                    shard[a - b.shard_start:e - b.shard_start].copy_(
                         reader.read(key, a - slot.offset, e - slot.offset))
-            if b.master is not None:
+            if master is not None:
                 a, e = max(slot.offset, b.own_lo), min(slot.end, b.own_hi)
                 if a < e:
                     key = f"master/{name}" if reader.has(f"master/{name}") else f"param/{name}"
-                    b.master[a - b.own_lo:e - b.own_lo].copy_(reader.read(key, a - slot.offset, e - slot.offset))
+                    master[a - b.own_lo:e - b.own_lo].copy_(reader.read(key, a - slot.offset, e - slot.offset))
 
 
 def _load_bucket_optimizer(b: Any, engine: "ShardEngine", reader: Reader, aliases: dict) -> None:
     binding = engine.bindings[b.opt_index]
     states: dict[int, dict[str, Any]] = {}
-    for si, (lo, hi) in b.slot_ranges.items():
+    for si, (lo, hi) in b.optimizer_view.slot_ranges.items():
         slot = b.layout.slots[si]
         name = aliases[id(b.params[si])][0]
         entry: dict[str, Any] = {}
@@ -148,7 +151,7 @@ def _load_bucket_optimizer(b: Any, engine: "ShardEngine", reader: Reader, aliase
                 entry[k] = reader.read(f"optim/{b.opt_index}/{name}/{k}", a, a + hi - lo).to(b.device)
         if entry:  # absent: saved before this parameter ever stepped
             states[si] = entry
-    if b.set_slot_state(binding.optimizer.state, states):
+    if b.optimizer_view.set_slot_state(binding.optimizer.state, states):
         binding.rebind(engine.buckets)  # parameters saved with different step counts got chunks of their own
     saved = reader.meta["optimizers"][b.opt_index]["groups"] if b.opt_index < len(reader.meta["optimizers"]) else []
     if len(saved) != len(binding.optimizer.param_groups):

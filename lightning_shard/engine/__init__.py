@@ -1,4 +1,4 @@
-"""Sharding engine: torch only (no Lightning, no Hydra). See DESIGN.md section 3."""
+"""Sharding engine: torch only (no Lightning, no Hydra). See docs/architecture.md, "Design rules" 1."""
 
 from .buckets.flat import FlatLayout, build_layout
 from .comm.collectives import LEDGER, Ledger, LedgerEntry, ring_wire_bytes

@@ -30,7 +30,7 @@ from __future__ import annotations
 import difflib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -43,33 +43,13 @@ log = logging.getLogger(__name__)
 Spec = Union[None, str, type, list, tuple]
 
 
-def validate_spec(spec: Any) -> Optional[Union[str, list]]:
-    """The knob's value normalised (``None``, ``"auto"`` or a list of classes / class names); a ValueError naming the
-    accepted forms otherwise. Whether the names exist in the model is checked at setup (:func:`select`)."""
-    hint = ("activation_checkpointing must be None (off), 'auto' (the blocks held in nn.ModuleLists) or a list of "
-            "module classes or class names (e.g. ['GPT2Block'] or [nn.TransformerEncoderLayer])")
-    if spec is None or spec == "auto":
-        return spec
-    if isinstance(spec, bool):
-        raise ValueError(f"{hint}, got {spec!r}" + ("; for the transformer blocks use 'auto'" if spec else
-                                                    "; use None to turn it off"))
-    items = [spec] if isinstance(spec, (str, type)) else spec
-    if not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"{hint}, got {spec!r}")
-    bad = [x for x in items if not (isinstance(x, str) and x and x != "auto") and
-           not (isinstance(x, type) and issubclass(x, nn.Module))]
-    if bad:
-        raise ValueError(f"{hint}; these entries are neither an nn.Module subclass nor a class name: {bad!r}")
-    return list(items)
-
-
 def _name(c: Union[str, type]) -> str:
     return c if isinstance(c, str) else c.__name__
 
 
 def select(root: nn.Module, spec: Spec) -> list[tuple[str, nn.Module]]:
-    """The modules to checkpoint, outermost only, in registration order (the root itself never)."""
-    spec = validate_spec(spec)
+    """The modules to checkpoint, outermost only, in registration order (the root itself never). ``spec``: the
+    ``activation_checkpointing`` option as validated (``lightning_shard/options.py``)."""
     if spec is None:
         return []
     classes = auto_wrap_classes(root) if spec == "auto" else _classes(spec)
@@ -161,4 +141,4 @@ def checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), CheckpointedForward)
 
 
-__all__ = ["ActivationCheckpointing", "CheckpointedForward", "apply", "checkpointed", "select", "validate_spec"]
+__all__ = ["ActivationCheckpointing", "CheckpointedForward", "apply", "checkpointed", "select"]

@@ -15,25 +15,30 @@ engine calls them in the order of a training step:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from functools import cached_property
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..options import ZeroOptions
 from . import grads, health, mixed, state_dict
 from .buckets.bucket import Bucket
+from .buckets.context import BucketContext
 from .buckets.optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
 from .buckets.param_gather import PostStepGathers
 from .buckets.plan import Owner, param_owners
-from .buckets.sync import GradSync, SyncState
-from .build import build_flat, build_units
+from .buckets.sync import GradSync
+from .build import build_flat, build_units, unit_of
 from .comm import collectives as C
-from .comm import quant as Q
-from .comm.quant import check_quant
-from .settings import UnitConfig, parse_param_dtype, parse_reduce_dtype, phase
+from .comm.choices import CommChoices
+from .comm.groups import Groups
+from .labels import phase
+from .mixed import parse_dtype, parse_param_dtype
 from .spec import ShardSpec
-from .states import AccumulationPolicy, GradState
+from .states import AccumulationPolicy, GradState, SyncState
 from .zero3.controller import ParamShardController
 from .zero3.deferred import DeferredInit
 from .zero3.plan import describe_plan, plan_units
@@ -41,69 +46,41 @@ from .zero3.unit import Unit
 
 
 class ShardEngine:
-    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], *, stage: int,
-                 group: C.Group = None, bucket_mb: float = 25.0, reduce_dtype: Optional[str] = None,
-                 accumulation: str = "defer", overlap: bool = True, broadcast_buffers: bool = True,
-                 allow_custom_optimizer: bool = False, find_unused_parameters: bool = True,
-                 units: Optional[UnitConfig] = None, deferred: Optional[DeferredInit] = None,
-                 replicate_group: C.Group = None, overlap_param_gather: bool = True,
-                 optim_chunk_mb: float = 4.0, skip_nonfinite: Optional[bool] = None,
-                 debug_collectives: bool = False, gather_group: C.Group = None,
-                 param_dtype: Optional[str] = None, offload_optimizer: bool = False,
-                 offload_params: bool = False, reduce_scatter_via: str = "auto", gather_quant: str = "none",
-                 reduce_quant: str = "none", quant_block: int = Q.DEFAULT_BLOCK,
-                 quant_error_feedback: bool = True, secondary_group: C.Group = None,
-                 all_gather_via: str = "auto", huge_pages: bool = True) -> None:
-        self.spec = ShardSpec(stage, C.get_world_size(group))  # what the stage means, for every bucket
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0 (MiB per gradient bucket), got {bucket_mb}")
-        policy = self._parse_policy(accumulation)
+    """The engine of one strategy: ``options`` (:mod:`lightning_shard.options`, validated by whoever made them: the
+    strategies, :func:`lightning_shard.options.options_for`) say what to build, ``groups`` over which ranks.
+    ``options.accumulation`` must be resolved (not ``"auto"``). ``deferred``: a meta-device model to materialize
+    unit by unit (stage 3). ``comm``: how collectives run on this backend (None: the engine's per-backend choice,
+    :class:`.comm.choices.CommChoices`; the benchmarks and tests compare the other forms through it)."""
+
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], options: ZeroOptions,
+                 groups: Optional[Groups] = None, *, deferred: Optional[DeferredInit] = None,
+                 comm: Optional[CommChoices] = None) -> None:
+        groups = dataclasses.replace(groups) if groups is not None else Groups()
+        tuning, compression = options.tuning, options.compression
+        self.options, self.module, self.deferred = options, module, deferred
+        self.spec = ShardSpec(options.stage, C.get_world_size(groups.shard))  # what the stage means, per bucket
+        self.policy = self._parse_policy(options.accumulation)
         if not optimizers:
             raise ValueError("no optimizer to shard: configure_optimizers() returned nothing")
-        self.module, self.stage, self.group, self.policy = module, stage, group, policy
-        # hybrid sharding: ``group`` shards (inside an island), ``replicate_group`` holds the copies of this
+        # hybrid sharding: ``groups.shard`` shards (inside an island), ``groups.replicate`` holds the copies of this
         # rank's shard in the other islands; gradients are averaged over both, i.e. over every rank
-        self.world, self.rank = C.get_world_size(group), C.get_rank(group)
-        self.replicate_group = replicate_group
-        self.replicas = C.get_world_size(replicate_group) if replicate_group is not None else 1
-        self.total_world = self.world * self.replicas
-        self.reduce_dtype = parse_reduce_dtype(reduce_dtype)
-        self.param_dtype = parse_param_dtype(param_dtype)
-        self.offload_optimizer = bool(offload_optimizer)
-        self.offload_params = bool(offload_params)
-        self.rs_path = C.reduce_scatter_path(reduce_scatter_via, group)
-        C.all_gather_path(all_gather_via, group)  # validated here; each bucket resolves it for its size
-        self.all_gather_via = all_gather_via
-        self.huge_pages = bool(huge_pages)
-        self.gather_quant, self.reduce_quant, self.quant_block = check_quant(
-            stage, gather_quant, reduce_quant, quant_block, reduce_dtype, reduce_scatter_via)
-        self.quant_error_feedback = bool(quant_error_feedback)
-        if secondary_group is not None and not self.spec.shards_params:
-            raise ValueError("secondary_shard (hpZ) keeps island copies of gathered parameters: it needs parameter "
-                             "sharding (zero3 or fsdp_shard)")
-        self.secondary_group = secondary_group
+        self.rank = C.get_rank(groups.shard)
+        replicas = C.get_world_size(groups.replicate) if groups.replicate is not None else 1
+        self.total_world = self.spec.world * replicas
+        comm = comm or CommChoices()
+        if compression.reduce_quant != "none" and comm.reduce_scatter not in ("auto", "all_to_all"):
+            raise ValueError(f"reduce_quant={compression.reduce_quant!r} sends quantized pieces in an all-to-all: "
+                             f"reduce_scatter={comm.reduce_scatter!r} cannot apply")
+        param_dtype = parse_param_dtype(options.param_dtype)
         first = next(module.parameters(), None)
-        if self.offload_optimizer and first is not None and first.device.type == "cpu":
+        if options.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
                           "saved; the fp32 master shard and the gradient shard it copies out cost 8 bytes per "
                           "parameter / N more (bench/results/budget.md). It is meant for accelerators.", stacklevel=3)
-        if self.offload_params and not (self.spec.shards_params and self.offload_optimizer):
-            raise ValueError("offload_params keeps the parameter shards in host memory, where the optimizer steps "
-                             "them: it needs parameter sharding (zero3 or fsdp_shard) and offload_optimizer=True")
-        if self.param_dtype is not None and self.reduce_dtype is None:
-            self.reduce_dtype = torch.float32  # the policy computes in param_dtype and reduces in fp32 by default
-        self.overlap, self.broadcast_buffers = overlap, broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
         self._warned_unused: set[str] = set()
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        if not optim_chunk_mb > 0:
-            raise ValueError(f"optim_chunk_mb must be > 0 (MiB of shard per optimizer tensor), got {optim_chunk_mb}")
-        self.chunk_numel = max(1, int(optim_chunk_mb * 2**20) // 4)  # fp32 elements (masters are fp32)
         for opt in optimizers:
-            validate_optimizer(opt, allow_custom_optimizer)
+            validate_optimizer(opt, options.safety.allow_custom_optimizer)
         self.bindings = [OptimizerBinding(i, opt) for i, opt in enumerate(optimizers)]
-        self.deferred = deferred
-        self.skip_nonfinite, self.debug_collectives = skip_nonfinite, debug_collectives
         health.check_same_model(self.module, self.deferred)
         self._ledger_mark = C.LEDGER.mark()
         if deferred is None:  # deferred init: every rank computes the same values from the same RNG state
@@ -111,8 +88,8 @@ class ShardEngine:
         elif not self.spec.shards_params:
             raise ValueError("deferred (meta-device) initialization needs parameter sharding: use zero3 or fsdp_shard")
         owner = self._owner = self._param_owners()
-        if self.param_dtype is not None:
-            mixed.check_module(module, owner, self.spec.shards_params, self.param_dtype)
+        if param_dtype is not None:
+            mixed.check_module(module, owner, self.spec.shards_params, param_dtype)
         self.controller: Optional[ParamShardController] = None
         self.units: list[Unit] = []
         self.plan_summary = ""
@@ -122,35 +99,49 @@ class ShardEngine:
         # until the next forward needs it, and a collective issued on the same group in between (Lightning
         # broadcasts a SIGTERM flag from rank 0 before every batch, on the world group) would otherwise wait for the
         # whole gather, leaving nothing for the forward to overlap
-        if (self.spec.shards_params or self.spec.gathers_after_step) and gather_group is None and group is None \
-                and C.get_world_size() > 1:
-            gather_group = C.duplicate_group(None, "gather")
-        self.gather_group = gather_group if gather_group is not None else group
+        if (self.spec.shards_params or self.spec.gathers_after_step) and groups.gather is None \
+                and groups.shard is None and C.get_world_size() > 1:
+            groups.gather = C.duplicate_group(None, "gather")
+        if groups.gather is None:
+            groups.gather = groups.shard
+        self.groups = groups
+        reduce_dtype = parse_dtype(compression.reduce_dtype)
+        if param_dtype is not None and reduce_dtype is None:
+            reduce_dtype = torch.float32  # the policy computes in param_dtype and reduces in fp32 by default
+        self.context = BucketContext(
+            spec=self.spec, rank=self.rank, group=groups.shard, replicate_group=groups.replicate,
+            gather_group=groups.gather, secondary_group=groups.island,
+            chunk_numel=max(1, int(tuning.optim_chunk_mb * 2**20) // 4),  # fp32 elements (masters are fp32)
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, offload=options.offload_optimizer,
+            offload_params=getattr(options, "offload_params", False), gather_quant=compression.gather_quant,
+            reduce_quant=compression.reduce_quant, quant_block=compression.block,
+            error_feedback=compression.error_feedback, comm=comm)
         if self.spec.shards_params:
-            cfg = units or UnitConfig()
-            specs = plan_units(module, cfg.granularity, cfg.wrap_classes, cfg.min_params,
+            granularity = options.granularity or "zero3"
+            specs = plan_units(module, granularity, getattr(options, "wrap_classes", None),
+                               getattr(options, "min_params", None),
                                numel=deferred.numel if deferred is not None else (lambda p: p.numel()),
-                               leaf_modules=cfg.leaf_modules, min_unit_bytes=cfg.min_unit_mb * 2**20)
-            self.plan_summary = describe_plan(specs, cfg.granularity)
+                               leaf_modules=options.leaf_modules, min_unit_bytes=tuning.min_unit_mb * 2**20)
+            self.plan_summary = describe_plan(specs, granularity)
             health.agree("unit plan", [(s.name, len(s.params)) for s in specs], "wrap policy or model structure")
             self.buckets, self.units = build_units(specs, owner, deferred, self._bucket)
         else:
-            self.buckets = build_flat(module, owner, self.bucket_bytes, self._bucket)
-        self.sync = GradSync([b for b in self.buckets if b.trainable], policy, overlap, self.reduce_dtype)
+            self.buckets = build_flat(module, owner, int(tuning.bucket_mb * 2**20), self._bucket)
+        self.sync = GradSync([b for b in self.buckets if b.trainable], self.policy, tuning.overlap)
         if self.units:
-            self.controller = ParamShardController(module, self.units, self.sync, cfg.reshard_after_forward,
-                                                   cfg.prefetch_depth)
+            self.controller = ParamShardController(module, self.units, self.sync, tuning.reshard_after_forward,
+                                                   tuning.prefetch(granularity))
         for binding in self.bindings:
             binding.rebind(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.sync.buckets for i, p in enumerate(b.params)]
         # stages 1/2: the all-gather after a step runs in the background and each module waits for its own
         # buckets in a forward pre-hook, so the gather overlaps the next forward (see finish_step)
-        self.gathers = PostStepGathers(module, self.buckets, overlap_param_gather)
+        self.gathers = PostStepGathers(module, self.buckets, tuning.overlap_param_gather)
         self._hooks += self.gathers.handles
-        if self.param_dtype is not None:  # modules holding cast parameters compute in param_dtype
+        if param_dtype is not None:  # modules holding cast parameters compute in param_dtype
             self._hooks += mixed.cast_inputs(module, [p for b in self.buckets if b.cast for p in b.params],
-                                             self.param_dtype)
+                                             param_dtype)
         self.last_grad_norm: Optional[float] = None
         self._switched: list[nn.Parameter] = []  # module parameters switched off for the backward in progress
         # an optimizer of which some rank owns no element (fewer elements than ranks): that rank has no chunk whose
@@ -181,9 +172,7 @@ class ShardEngine:
             raise RuntimeError(f"rank {self.rank}: the accumulation policy can change only between windows, but "
                                f"bucket(s) {busy} still hold this window's gradients; change accumulate_grad_batches "
                                "where a window ends (GradientAccumulationScheduler does: at an epoch's start)")
-        self.policy = self.sync.policy = policy
-        if self.controller is not None:
-            self.controller.keep_params = policy is AccumulationPolicy.KEEP_PARAMS
+        self.policy = self.sync.policy = policy  # stage 3 reads keep_params from here too
 
     # ------------------------------------------------------------------ health (health.py)
     def check_collective_sequence(self) -> None:
@@ -192,7 +181,7 @@ class ShardEngine:
 
     def find_nonfinite(self, optimizer: torch.optim.Optimizer) -> Optional[str]:
         """Name of the first parameter with a non-finite gradient on any rank (agreed on every rank), or None."""
-        rank = self.rank if self.total_world == self.world else C.get_rank()
+        rank = self.rank if self.total_world == self.spec.world else C.get_rank()
         return health.find_nonfinite(self.binding_for(optimizer).buckets, rank, self.total_world,
                                      self.buckets[0].device)
 
@@ -205,16 +194,10 @@ class ShardEngine:
                              "Check requires_grad and the parameters passed to the optimizer.")
         return owner
 
-    def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int]) -> Bucket:
+    def _bucket(self, index: int, params: list[nn.Parameter], names: list[str], opt_index: Optional[int],
+                unit: Optional[str]) -> Bucket:
         groups = None if opt_index is None else [self._owner[id(p)][1] for p in params]
-        return Bucket(index, params, names, opt_index, groups, spec=self.spec,
-                      rank=self.rank, group=self.group, replicate_group=self.replicate_group,
-                      chunk_numel=self.chunk_numel, gather_group=self.gather_group, param_dtype=self.param_dtype,
-                      offload=self.offload_optimizer, offload_params=self.offload_params,
-                      reduce_scatter_path=self.rs_path, gather_quant=self.gather_quant,
-                      reduce_quant=self.reduce_quant, quant_block=self.quant_block,
-                      error_feedback=self.quant_error_feedback, secondary_group=self.secondary_group,
-                      all_gather_via=self.all_gather_via, huge_pages=self.huge_pages)
+        return Bucket(self.context, index, params, names, opt_index, groups, unit)
 
     def watch_step(self):
         """Around the code of a training step (stages 1/2): :meth:`.param_gather.PostStepGathers.watch`."""
@@ -225,15 +208,21 @@ class ShardEngine:
         outside a forward: the optimizer step, checkpoints, evaluation, teardown)."""
         self.gathers.wait_all()
 
+    @cached_property
+    def _unit_of(self) -> dict[int, Unit]:
+        return unit_of(self.units)  # stage 3: ``id(bucket) -> its unit`` (the bucket does not point back)
+
     def _make_hook(self, bucket: Bucket, i: int):
+        grads, unit = bucket.grads, self._unit_of.get(id(bucket))
+
         def hook(_: torch.Tensor) -> None:
-            if bucket.grad_buf is None:
-                if not bucket.lazy:  # a backward that did not go through pre_backward
+            if grads.grad_buf is None:
+                if not grads.lazy:  # a backward that did not go through pre_backward
                     return
-                bucket.attach_grads()  # the bucket's first gradient of this backward: allocate now
-            bucket.adopt_grad(i)
-            if bucket.unit is not None and bucket.unit.pending == 0:
-                self.controller.on_grads_ready(bucket.unit)
+                grads.attach()  # the bucket's first gradient of this backward: allocate now
+            grads.adopt(i)
+            if unit is not None and unit.pending == 0:
+                self.controller.backward.on_grads_ready(unit)
             self.sync.bucket_ready(bucket)
         return hook
 
@@ -259,7 +248,7 @@ class ShardEngine:
     @phase
     def post_backward(self) -> None:
         if self.controller is not None:
-            self.controller.close_backward_schedule()
+            self.controller.backward.close()
         self.sync.reduce_rest()
         if self.controller is not None:
             self.controller.end_backward()
@@ -322,7 +311,7 @@ class ShardEngine:
         if not buckets:
             return
         mask = torch.cat([b.used for b in buckets]).to(self.buckets[0].device)
-        if not self.find_unused_parameters:
+        if not self.options.tuning.find_unused_parameters:
             for b in buckets:
                 for i in range(len(b.params)):
                     if not b.used[i] and b.names[i] not in self._warned_unused:
@@ -345,7 +334,7 @@ class ShardEngine:
     @phase
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer updated the shards: all-gather parameters, sync buffers, close the window."""
-        if self.debug_collectives:
+        if self.options.safety.debug_collectives:
             self.check_collective_sequence()
         buckets = self.binding_for(optimizer).buckets
         self.gathers.launch(buckets)
@@ -357,7 +346,7 @@ class ShardEngine:
             b.end_window()
         if self.controller is not None:
             self.controller.after_step()
-        if self.broadcast_buffers and self.total_world > 1:
+        if self.options.tuning.broadcast_buffers and self.total_world > 1:
             buffers = [t for t in self.module.buffers() if t.is_floating_point() or t.dtype == torch.long]
             if buffers:
                 C.broadcast_coalesced(buffers, None, tag="buffers")
@@ -380,8 +369,8 @@ class ShardEngine:
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over owned shard elements only (no padding, no replicas), one all-reduce."""
         self.final_grads(optimizer)
-        return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.group,
-                               self.spec.reduce_scatters and self.world > 1, norm_type)
+        return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.groups.shard,
+                               self.spec.reduce_scatters and self.spec.world > 1, norm_type)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
                         total: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -404,7 +393,7 @@ class ShardEngine:
     def gather_full(self) -> dict[str, torch.Tensor]:
         """Full weights by parameter name that the module itself cannot show (:func:`.state_dict.gather_full`)."""
         self.wait_params()
-        return state_dict.gather_full(self.module, self.buckets, self.group)
+        return state_dict.gather_full(self.module, self.buckets, self.groups.shard)
 
     def load_full(self, state: dict[str, torch.Tensor], masters_only: bool = False) -> list[str]:
         """Load full tensors by name into shards and fp32 masters; the names not found
@@ -428,7 +417,7 @@ class ShardEngine:
                 if p.grad is not None:
                     rep["grads"] += p.grad.numel() * p.grad.element_size()
         rep["optimizer_state"] = sum(optimizer_state_bytes(b.optimizer) for b in self.bindings)
-        if self.offload_optimizer:  # the optimizer state was created beside the host masters
+        if self.options.offload_optimizer:  # the optimizer state was created beside the host masters
             rep["on_host"] += rep["optimizer_state"]
         rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.spec.reduce_scatters else 0
         # ``on_host``: how much of the total lives in host memory (offload); a part of the total, not added to it
@@ -443,7 +432,7 @@ class ShardEngine:
         if self._restored or not cast:
             return
         self._restored = True
-        mixed.restore(self.module, cast, state_dict.gather_full(self.module, cast, self.group))
+        mixed.restore(self.module, cast, state_dict.gather_full(self.module, cast, self.groups.shard))
 
     def remove_hooks(self) -> None:
         self.wait_params()

@@ -13,13 +13,28 @@ what was trained, in the dtype the user built).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from .buckets.plan import Owner
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(value: Any) -> Optional[torch.dtype]:
+    """A dtype option (``compression.reduce_dtype``), validated by the options: None, a torch dtype or a name."""
+    return value if value is None or isinstance(value, torch.dtype) else _DTYPES[value]
+
+
+def parse_param_dtype(value: Any) -> Optional[torch.dtype]:
+    """``param_dtype``: None (compute in the parameters' own dtype) or the dtype fp32 parameters are computed and
+    gathered in (``"bf16"``/``"fp16"``; ``"fp32"`` is the same as None)."""
+    dtype = parse_dtype(value)
+    return None if dtype is torch.float32 else dtype
 
 
 def check_module(module: nn.Module, owner: dict[int, Owner], shards_params: bool, dtype: torch.dtype) -> None:

@@ -23,9 +23,10 @@ def gather_full(module: nn.Module, buckets: list[Bucket], group: C.Group) -> dic
     masters of half-precision parameters, and every stage-3 parameter. Collective over ``group``."""
     aliases, out = param_aliases(module), {}
     for b in buckets:
-        if b.master is None and not b.spec.shards_params:
+        master = b.store.master
+        if master is None and not b.spec.shards_params:
             continue  # parameters replicated and no masters: the module's own parameters are full already
-        own = b.master if b.master is not None else b.shard[: b.owned_numel]
+        own = master if master is not None else b.store.shard[: b.owned_numel]
         if b.spec.num_shards == 1:
             full = own
         else:
@@ -49,7 +50,8 @@ def load_full(module: nn.Module, buckets: list[Bucket], state: dict[str, torch.T
     aliases, missing = param_aliases(module), []
     for b in buckets:
         b.drop_secondary()  # hpZ's island copies hold the values before the load
-        if masters_only and b.master is None:
+        master = b.store.master
+        if masters_only and master is None:
             continue
         flat = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)
         all_fp32, found = True, 0
@@ -64,8 +66,8 @@ def load_full(module: nn.Module, buckets: list[Bucket], state: dict[str, torch.T
         if found != len(b.params):
             continue
         with torch.no_grad():
-            if b.master is not None and (all_fp32 or not masters_only):
-                b.master.copy_(flat[b.own_lo:b.own_hi])
+            if master is not None and (all_fp32 or not masters_only):
+                master.copy_(flat[b.own_lo:b.own_hi])
             if not masters_only and b.spec.shards_params:
-                b.shard.copy_(flat[b.shard_start:b.shard_end])
+                b.store.shard.copy_(flat[b.shard_start:b.shard_end])
     return missing

@@ -1,7 +1,14 @@
-"""Lifecycle states of a shard unit's gradients, with the transitions the engine may take.
+"""The engine's lifecycle enums, in one place, with the transitions the engine may take.
 
-Every state change goes through :func:`transition`, which raises on an illegal move: a bug in the sync
-controller shows up as a named error at the point it happens, not as silently wrong gradients later.
+* :class:`GradState`: a bucket's gradients over an accumulation window (:func:`transition`);
+* :class:`ParamState`: whether a stage-3 bucket's parameters are gathered (:func:`param_transition`);
+* :class:`AccumulationPolicy`: what a micro-batch that is not an accumulation boundary communicates;
+* :class:`SyncState`: the backward in progress, as the gradient-sync controller (``buckets/sync.py``) sees it;
+* :class:`ControllerState`: what the stage-3 controller (``zero3/controller.py``) does with the units.
+
+Every gradient and parameter state change goes through its transition function, which raises on an illegal move:
+a bug in the sync controller shows up as a named error at the point it happens, not as silently wrong gradients
+later.
 """
 
 from __future__ import annotations
@@ -70,6 +77,23 @@ class AccumulationPolicy(str, enum.Enum):
         if value == "keep_unsharded_grads":
             return cls.DEFER
         return cls(value)
+
+
+class SyncState(enum.Enum):
+    """The backward in progress (from ``GradSync.begin`` to ``GradSync.end``), or none."""
+
+    IDLE = "idle"  # no backward in progress
+    LOCAL = "local"  # a no_sync backward under "defer": gradients stay in the full buffers, nothing moves
+    MICRO_BATCH = "micro_batch"  # a no_sync backward under "per_micro_batch": reduce-scatter into accumulators
+    BOUNDARY = "boundary"  # the backward that ends an accumulation window: every bucket is reduced and published
+
+
+class ControllerState(enum.Enum):
+    """What the parameter-sharding controller does with the units."""
+
+    TRAINING = "training"  # hooks gather and free units along the schedule
+    FULL_PARAMS = "full_params"  # inside full_params(): every unit gathered, hooks idle (generation, export)
+    RELEASED = "released"  # after release_to_module(): the module owns full parameters for good, hooks removed
 
 
 def autograd_running() -> bool:

@@ -1,4 +1,5 @@
-"""Memory, communication and time cost model of the strategies; strategy advice (DESIGN.md sections 2-4).
+"""Memory, communication and time cost model of the strategies; strategy advice
+(docs/architecture.md, "Design rules" 3-6).
 
     from lightning_shard.planner import plan, recommend_for, auto_policy
 

@@ -8,11 +8,13 @@ built from the row's ``StrategyConfig.kwargs()`` (the strategy classes' own knob
   would change; ``topology=<preset>`` (with ``topology.nodes`` / ``topology.devices`` when the plan replicated
   or resized what Hydra composes for it, ``conf/machine/<preset>.yaml`` included; ``trainer.devices`` and
   ``CUDA_VISIBLE_DEVICES`` for a subset of one node; a capture file or ``detect``: the trainer's shape); the
-  recipe's global and micro batch (accumulation is derived from them, DESIGN rule 8) and the precision.
+  recipe's global and micro batch (accumulation is derived from them, "Design rules" 7) and the precision.
 * Python: ``Trainer(strategy=<Class>(<knobs that differ from the class defaults>), devices=..., ...)``.
 
-No Hydra and no Lightning here (DESIGN section 3): the configs are read as YAML, the class names and defaults
-are mirrored below, and tests/config/test_planner_advice.py composes and instantiates every row both ways.
+No Hydra and no Lightning here: the configs are read as YAML, the defaults are the options'
+(``lightning_shard/options.py``), and tests/config/test_planner_advice.py composes and instantiates every row both
+ways. A group's fields are dotted keys here (``tuning.bucket_mb``): ``strategy.tuning.bucket_mb=50`` for Hydra,
+``tuning={"bucket_mb": 50}`` for Python.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..engine.settings import PREFETCH_DEPTH
+from ..options import REGISTERED
 from ..topology import list_presets
 from ..topology.presets import read_preset
 from .models import SIZES
@@ -34,19 +36,29 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RECIPE_PLACEHOLDER = "YOUR_RECIPE"
 CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2Strategy",
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies
-# keyword defaults of those classes for the knobs ``StrategyConfig.kwargs()`` sets (a mirror of strategies/config.py,
-# which the planner may not import; tests/config/test_knob_list.py checks it)
-CLASS_DEFAULTS = {"accumulation": "auto", "bucket_mb": 25.0, "reshard_after_forward": True,
-                  "prefetch_depth": PREFETCH_DEPTH["zero3"], "wrap_classes": "auto", "min_params": None,
-                  "min_unit_mb": 1.0, "shard_size": None, "topology": None}
-# where a class's default differs from the above (FSDPShardStrategy gathers one block ahead, zero3 three modules)
-CLASS_OVERRIDES = {"FSDPShardStrategy": {"prefetch_depth": PREFETCH_DEPTH["fsdp"]}}
 _MISSING = object()
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Options as dotted keys: ``{"tuning": {"bucket_mb": 50}}`` -> ``{"tuning.bucket_mb": 50}``."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def class_default(strategy: str, key: str) -> Any:
-    """The default of knob ``key`` of the registered strategy ``strategy``'s class (``_MISSING`` if unknown)."""
-    return CLASS_OVERRIDES.get(CLASS_OF.get(strategy, ""), {}).get(key, CLASS_DEFAULTS.get(key, _MISSING))
+    """The default of option ``key`` (dotted for a group's field) of registered strategy ``strategy``'s class
+    (``_MISSING`` if it has none)."""
+    value: Any = REGISTERED[strategy][0]()
+    for part in key.split("."):
+        if not hasattr(value, part):
+            return _MISSING
+        value = getattr(value, part)
+    return value
 
 
 @dataclass
@@ -87,16 +99,19 @@ def hydra_value(v: Any) -> str:
 def python_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {python_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(python_value(x) for x in v) + "]"
     return repr(v)
 
 
 def _yaml(path: Path) -> dict[str, Any]:
+    """A config file's keys (a group's fields dotted), less Hydra's ``defaults`` list."""
     if not path.is_file():
         return {}
     data = yaml.safe_load(path.read_text()) or {}
-    return {k: v for k, v in data.items() if k != "defaults"}
+    return flatten({k: v for k, v in data.items() if k != "defaults"})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -125,11 +140,15 @@ def strategy_overrides(res: Any, row: Any) -> list[str]:
     shipped = _yaml(CONF_DIR / "strategy" / f"{option}.yaml")
     special = _yaml(CONF_DIR / "specialize" / f"{option}_{preset}.yaml") if preset else {}
     out = [f"strategy={option}"]
-    for k, v in strategy_kwargs(res, row).items():
-        have = shipped.get(k, class_default(row.config.strategy, k))  # the YAML holds only what differs
+    values = flatten(strategy_kwargs(res, row))  # what differs from the class defaults
+    values.update({k: class_default(row.config.strategy, k) for k in special if k not in values})
+    for k, v in values.items():
+        # what Hydra composes without an override: the machine's specialization, else the YAML (which holds only
+        # what differs from the class defaults), else the class default
+        have = special.get(k, shipped.get(k, class_default(row.config.strategy, k)))
         if have == "${topology.name}":
             have = preset or "cpu"  # conf/train.yaml's default topology
-        if k in special or not _same(have, v):
+        if not _same(have, v):
             out.append(f"strategy.{k}={hydra_value(v)}")
     return out
 
@@ -187,9 +206,17 @@ def job_overrides(res: Any, recipe: Optional[str] = None) -> tuple[list[str], di
 
 
 def python_constructor(res: Any, row: Any) -> tuple[str, str]:
-    """(import line, ``Class(knob=value, ...)``) with the knobs that differ from the class defaults."""
+    """(import line, ``Class(option=value, group={"field": value}, ...)``) with the options that differ from the
+    class defaults."""
     cls = CLASS_OF[row.config.strategy]
-    kw = {k: v for k, v in strategy_kwargs(res, row).items() if not _same(class_default(row.config.strategy, k), v)}
+    kw: dict[str, Any] = {}
+    for k, v in flatten(strategy_kwargs(res, row)).items():
+        if not _same(class_default(row.config.strategy, k), v):
+            name, _, field_name = k.partition(".")
+            if field_name:
+                kw.setdefault(name, {})[field_name] = v
+            else:
+                kw[name] = v
     args = ", ".join(f"{k}={python_value(v)}" for k, v in kw.items())
     return f"from lightning_shard.strategies import {cls}", f"{cls}({args})"
 

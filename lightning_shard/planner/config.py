@@ -1,11 +1,10 @@
 """What the planner is asked about: a strategy configuration and a job (world, batch, precision).
 
-``StrategyConfig`` mirrors the registered strategies' knobs (written once in ``strategies/config.py``, which the
-planner may not import: it would load Lightning, and planner never imports the strategies, DESIGN section 3);
-``kwargs()`` gives what ``Trainer(strategy=Registered(**kwargs))`` takes, with the strategies' own accumulation
-names (``POLICIES``: stage 3 calls deferring ``keep_unsharded_grads``). tests/config/test_planner_advice.py builds every
-planned row with the real classes and tests/config/test_knob_list.py compares ``POLICIES`` with the knob dataclasses'
-choices, so the mirror cannot drift.
+``StrategyConfig`` is one planned row: the registered strategy and the options the planner varies (their defaults,
+choices and rules are the options', ``lightning_shard/options.py``), plus how the backend runs its reduce-scatter
+(``reduce_scatter_via``: a property of the machine planned for, not an option). ``kwargs()`` gives what
+``Trainer(strategy=Registered(**kwargs))`` takes, groups as mappings; ``options()`` the validated options
+themselves. tests/config/test_planner_advice.py builds every planned row with the real classes.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine.comm.quant import DEFAULT_BLOCK, check_quant
-from ..engine.settings import MIN_UNIT_MB, PREFETCH_DEPTH
+from ..options import MIN_UNIT_MB, POLICIES, PREFETCH_DEPTH, REGISTERED, Compression, Tuning, ZeroOptions, options_for
 
 PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, loss scaling)
     "32-true": (torch.float32, 4, False),
@@ -25,12 +23,7 @@ PRECISIONS = {  # Trainer(precision=...) -> (parameter dtype, activation bytes, 
     "bf16-true": (torch.bfloat16, 2, False),
     "16-true": (torch.float16, 2, True),
 }
-# accumulation policies per stage, named as the strategies accept them (the ``accumulation`` choices of
-# strategies/config.py ZeroConfig / Zero3Config, less "auto"; zero0/zero1 hold full gradients, so only zero2 has
-# per_micro_batch). A mirror: tests/config/test_knob_list.py checks it.
-POLICIES = {0: ("defer",), 1: ("defer",), 2: ("defer", "per_micro_batch"),
-            3: ("per_micro_batch", "keep_unsharded_grads", "keep_params")}
-STAGE_OF = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}  # registered name -> ZeRO stage
+STAGE_OF = {name: stage for name, (_, stage) in REGISTERED.items()}  # registered name -> ZeRO stage
 HYBRID_NAMES = ("zero2", "zero3", "fsdp_shard")  # those with a registered <name>_hybrid (conf/strategy too)
 
 
@@ -49,22 +42,22 @@ class StrategyConfig:
     wrap_classes: Any = None  # fsdp_shard
     min_params: Optional[int] = None
     min_unit_mb: float = MIN_UNIT_MB  # zero3: smaller units join the unit enclosing them
-    bucket_mb: float = 25.0
-    prefetch_depth: Optional[int] = None  # None: the strategy's default (engine/settings.py PREFETCH_DEPTH)
+    bucket_mb: float = Tuning.bucket_mb
+    prefetch_depth: Optional[int] = None  # None: the strategy's default (options.PREFETCH_DEPTH)
     reduce_dtype: Optional[torch.dtype] = None  # None: fp32 for half-precision gradients (the engine's default)
-    overlap_param_gather: bool = True  # zero1/2: post-step all-gather waited in the next forward
+    overlap_param_gather: bool = Tuning.overlap_param_gather  # zero1/2: post-step all-gather waited in the next forward
     offload_optimizer: bool = False  # ZeRO-Offload: master shard, its gradient and the optimizer state in host memory
     offload_params: bool = False  # stage 3, with offload_optimizer: the parameter shards in host memory too
-    # how zero1-3 reduce-scatter gradients: "reduce_scatter" (what ``reduce_scatter_via="auto"`` is on NCCL, the
-    # accelerators planned for), "all_to_all" (what it is on gloo: the reduce-scatter's bytes, a second full-size
+    # how the backend reduce-scatters gradients (the engine's per-backend choice, not an option): "reduce_scatter"
+    # (NCCL, the accelerators planned for), "all_to_all" (gloo: the reduce-scatter's bytes, a second full-size
     # buffer in flight but on 2 ranks) or "all_reduce" (the bucket all-reduced, twice the bytes)
     reduce_scatter_via: str = "reduce_scatter"
     # compressed communication (comm/quant.py): block-quantized stage-3 parameter gathers / gradient reductions (an
     # all-to-all of quantized pieces, with an fp32 error-feedback residual per trainable element)
     gather_quant: str = "none"
     reduce_quant: str = "none"
-    quant_block: int = DEFAULT_BLOCK
-    quant_error_feedback: bool = True
+    quant_block: int = Compression.block
+    quant_error_feedback: bool = Compression.error_feedback
     secondary_shard: Optional[int] = None  # hpZ: ranks per island holding the secondary copies (None: off)
 
     def __post_init__(self) -> None:
@@ -85,8 +78,11 @@ class StrategyConfig:
         if self.reduce_scatter_via not in ("reduce_scatter", "all_reduce", "all_to_all"):
             raise ValueError(f"reduce_scatter_via must be 'reduce_scatter', 'all_reduce' or 'all_to_all' (the planner "
                              f"plans one backend: 'auto' is one of them), got {self.reduce_scatter_via!r}")
-        check_quant(self.stage, self.gather_quant, self.reduce_quant, self.quant_block, self.reduce_dtype,
-                    "auto" if self.reduce_scatter_via == "reduce_scatter" else self.reduce_scatter_via)
+        Compression(reduce_dtype=self.reduce_dtype, gather_quant=self.gather_quant, reduce_quant=self.reduce_quant,
+                    block=self.quant_block, error_feedback=self.quant_error_feedback).validate(self.stage)
+        if self.reduce_quant != "none" and self.reduce_scatter_via == "all_reduce":
+            raise ValueError("reduce_quant sends quantized pieces in an all-to-all: it cannot be planned with "
+                             "reduce_scatter_via='all_reduce'")
         if self.secondary_shard is not None and (self.stage != 3 or self.shard_size is not None or
                                                  not isinstance(self.secondary_shard, int) or self.secondary_shard < 2):
             raise ValueError(f"secondary_shard={self.secondary_shard!r}: an island size >= 2, for stage 3 without "
@@ -119,32 +115,32 @@ class StrategyConfig:
         return f"{name} ({self.policy}{extra})"
 
     def kwargs(self) -> dict[str, Any]:
-        """Keywords of the registered strategy class (``topology`` is the caller's: ``advice.strategy_kwargs``)."""
-        out: dict[str, Any] = {"accumulation": self.policy}
+        """Keywords of the registered strategy class that differ from its defaults, groups as mappings of their
+        changed fields (``topology`` is the caller's: ``advice.strategy_kwargs``); ``accumulation`` always."""
+        return {"accumulation": self.policy, **self.options().changed()}
+
+    def options(self) -> ZeroOptions:
+        """The validated options of this row's registered class."""
+        tuning: dict[str, Any] = {}
         if self.stage < 3:
-            out["bucket_mb"] = self.bucket_mb
+            tuning["bucket_mb"] = self.bucket_mb
         else:
-            out["reshard_after_forward"] = self.reshard_after_forward
-            out["prefetch_depth"] = self.prefetch_depth
-        if self.strategy == "zero3" and self.min_unit_mb != MIN_UNIT_MB:
-            out["min_unit_mb"] = self.min_unit_mb
+            tuning["reshard_after_forward"] = self.reshard_after_forward
+            tuning["prefetch_depth"] = None if self.prefetch_depth == PREFETCH_DEPTH[self.granularity] else \
+                self.prefetch_depth
+        if self.strategy == "zero3":
+            tuning["min_unit_mb"] = self.min_unit_mb
+        values: dict[str, Any] = {"accumulation": self.policy, "shard_size": self.shard_size,
+                                  "offload_optimizer": self.offload_optimizer, "tuning": tuning,
+                                  "compression": {"gather_quant": self.gather_quant, "reduce_quant": self.reduce_quant,
+                                                  "block": self.quant_block,
+                                                  "error_feedback": self.quant_error_feedback}}
+        if self.stage == 3:
+            values.update(offload_params=self.offload_params, secondary_shard=self.secondary_shard)
         if self.strategy.startswith("fsdp"):
-            out["wrap_classes"] = self.wrap_classes if self.wrap_classes is not None else "auto"
-            if self.min_params is not None:
-                out["min_params"] = self.min_params
-        if self.shard_size:
-            out["shard_size"] = self.shard_size
-        if self.offload_optimizer:
-            out["offload_optimizer"] = True
-        if self.offload_params:
-            out["offload_params"] = True
-        if self.reduce_scatter_via != "reduce_scatter":
-            out["reduce_scatter_via"] = self.reduce_scatter_via
-        for knob, off in (("gather_quant", "none"), ("reduce_quant", "none"), ("quant_block", DEFAULT_BLOCK),
-                          ("quant_error_feedback", True), ("secondary_shard", None)):
-            if getattr(self, knob) != off:
-                out[knob] = getattr(self, knob)
-        return out
+            values.update(wrap_classes=self.wrap_classes if self.wrap_classes is not None else "auto",
+                          min_params=self.min_params)
+        return options_for(self.strategy, **values)
 
     def with_(self, **changes: Any) -> "StrategyConfig":
         return replace(self, **changes)
@@ -184,7 +180,7 @@ class Job:
 
 
 def batch_split(global_batch: int, micro_batch: int, world: int) -> int:
-    """Accumulation steps from the global batch (DESIGN.md house rule 8: derived, never typed twice)."""
+    """Accumulation steps from the global batch ("Design rules" 7)."""
     if global_batch < 1 or micro_batch < 1 or world < 1:
         raise ValueError(f"global batch ({global_batch}), micro-batch ({micro_batch}) and world size ({world}) must "
                          "be positive")

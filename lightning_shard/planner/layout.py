@@ -16,8 +16,8 @@ from torch import nn
 
 from ..engine.buckets.flat import build_layout
 from ..engine.buckets.plan import OptimizerGroups, bucketed_trainable, flat_buckets, param_owners, unit_buckets
-from ..engine.settings import MIN_UNIT_MB
 from ..engine.zero3.plan import plan_units
+from ..options import MIN_UNIT_MB, Tuning
 
 __all__ = ["OptimizerGroups", "PlannedBucket", "PlannedLayout", "PlannedUnit", "default_groups", "groups_of",
            "plan_layout"]
@@ -98,7 +98,7 @@ def groups_of(optimizers: Any) -> list[list[list[nn.Parameter]]]:
 
 
 def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int, shard_world: int,
-                bucket_mb: float = 25.0, granularity: str = "zero3", wrap_classes: Any = None,
+                bucket_mb: float = Tuning.bucket_mb, granularity: str = "zero3", wrap_classes: Any = None,
                 min_params: Optional[int] = None, param_dtype: Optional[torch.dtype] = None,
                 min_unit_mb: float = MIN_UNIT_MB) -> PlannedLayout:
     """The buckets (and units) the engine would build for ``module`` on a shard group of ``shard_world`` ranks.

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from ..topology import Topology
-from ..topology.presets import resolve as resolve_topology
+from ..topology.resolve import resolve as resolve_topology
 from .config import Job, StrategyConfig, batch_split, check_precision
 from .evaluate import Context, PlanRow, candidates, evaluate, island_shard_size, make_context
 from .hardware import DeviceSpec, device_spec
@@ -179,7 +179,7 @@ def recommend_for(module: nn.Module, optimizer_groups_or_none: Any, topology: Un
 
 def auto_policy(stage: int, accumulation: int, grad_bytes: float, free_bytes: Optional[float] = None,
                 ring_gbps: Optional[float] = None) -> tuple[str, str]:
-    """Accumulation policy by memory budget and links (DESIGN.md section 3, "auto")."""
+    """Accumulation policy by memory budget and links ("Design rules" 6)."""
     defer = "keep_unsharded_grads" if stage == 3 else "defer"
     if stage < 2:
         return "defer", f"zero{stage} keeps full gradients, so deferring costs no memory"

@@ -1,5 +1,5 @@
 """What the Trainer strategies (``zero.py``, ``zero3.py``) and the Fabric strategies (``fabric.py``) share: the
-knobs, the process group and device groups, the accumulation rule and the construction of the engine. The core
+options, the process group and device groups, the accumulation rule and the construction of the engine. The core
 (``lightning_shard.engine``) knows no Lightning; this mixin knows no Trainer and no Fabric.
 """
 
@@ -15,53 +15,57 @@ import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
 from ..engine.comm import collectives as C
+from ..engine.comm.choices import CommChoices
+from ..engine.comm.groups import Groups
 from ..engine.engine import ShardEngine
-from ..engine.settings import UnitConfig
-from .config import ZeroConfig
-from .layout import Groups, check_job_placement, make_groups, resolve_topology
-
-# knob -> attribute name where it is not the knob's own
-ATTRIBUTE_OF = {"topology": "topology_spec", "start_method": "_start_method",
-                "process_group_backend": "_process_group_backend"}
+from ..options import ZeroOptions
+from ..topology.model import Topology
+from ..topology.resolve import resolve
+from .layout import check_job_placement, make_groups
 
 
 class EngineAdapter:
-    """Mixed into a Lightning ``ParallelStrategy`` (Trainer's or Fabric's): ``CONFIG`` names the knobs,
-    ``DEFAULT_STAGE`` the stage, ``GRANULARITY`` how stage-3 units are formed (None below stage 3)."""
+    """Mixed into a Lightning ``ParallelStrategy`` (Trainer's or Fabric's): ``OPTIONS`` names the options class
+    (``lightning_shard/options.py``), ``DEFAULT_STAGE`` the stage. ``self.options`` holds the validated options:
+    the one place the strategy reads them."""
 
-    CONFIG: type[ZeroConfig] = ZeroConfig
+    OPTIONS: type[ZeroOptions] = ZeroOptions
     DEFAULT_STAGE = 2
-    GRANULARITY: Optional[str] = None
     LIGHTNING_ARGS: tuple[str, ...] = ()  # the host Strategy's own constructor arguments
+    # how collectives run on this backend (engine/comm/choices.py); None: the engine's per-backend choice. Not an
+    # option: the benchmarks and the tests set it on an instance to compare the forms (``strategy.comm = ...``)
+    comm: Optional[CommChoices] = None
 
-    def _take_knobs(self, knobs: dict[str, Any]) -> dict[str, Any]:
-        """Validate ``knobs``, set each as an attribute; returns the host Strategy's own arguments (popped)."""
-        lightning = {k: knobs.pop(k) for k in self.LIGHTNING_ARGS if k in knobs}
-        valid = self.CONFIG.names() + self.LIGHTNING_ARGS
-        unknown = [k for k in knobs if k not in valid]
+    def _take_options(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Validate the options ``given``; returns the host Strategy's own arguments (popped)."""
+        lightning = {k: given.pop(k) for k in self.LIGHTNING_ARGS if k in given}
+        valid = self.OPTIONS.names() + self.LIGHTNING_ARGS
+        unknown = [k for k in given if k not in valid]
         if unknown:
             hints = []
             for k in unknown:
                 close = difflib.get_close_matches(k, valid, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"{type(self).__name__} got unknown knob(s) {', '.join(hints)}; valid knobs: "
+                group = next((g.name for g in self.OPTIONS.knobs() if "group" in g.metadata and
+                              k in g.metadata["group"].names()), None)
+                hints.append(f"{k!r}" + (f" (an option of the {group} group: {group}={{{k!r}: ...}})" if group else
+                                         f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{type(self).__name__} got unknown option(s) {', '.join(hints)}; valid: "
                             f"{', '.join(valid)}")
-        cfg = self.CONFIG(**knobs)
-        if cfg.stage is None:
-            cfg.stage = self.DEFAULT_STAGE
-        cfg.validate(type(self).__name__)
-        self.config = cfg  # as constructed (strategy=auto's apply() changes the attributes, not this)
-        for f in dataclasses.fields(cfg):  # every knob an attribute (three under other names)
-            setattr(self, ATTRIBUTE_OF.get(f.name, f.name), getattr(cfg, f.name))
+        options = self.OPTIONS(**given)
+        if options.stage is None:
+            options.stage = self.DEFAULT_STAGE
+        self.options = options.validate(type(self).__name__)
         self._groups = Groups()
         self.placement_warning: Optional[str] = None
-        self._timeout = timedelta(seconds=cfg.timeout_s)
-        self._startup_timeout = timedelta(seconds=cfg.startup_timeout_s)
         self.engine: Optional[ShardEngine] = None
         self.accumulation_policy: Optional[str] = None
         self.accumulation_reason: str = ""
         self._policy_inputs: Optional[tuple] = None  # what accumulation="auto" weighs, measured once per fit
         return {k: lightning.get(k) for k in self.LIGHTNING_ARGS}
+
+    @property
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.options.safety.timeout_s)
 
     # ------------------------------------------------------------------ the devices (both hosts' ParallelStrategy)
     @property
@@ -96,19 +100,32 @@ class EngineAdapter:
                     f"devices=... and num_nodes=... to match the launched processes."
                 )
         else:
-            backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
-            kwargs: dict[str, Any] = {"timeout": self._startup_timeout}  # the rendezvous; collectives below
+            launch = self.options.launch
+            backend = launch.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+            # the rendezvous; the collectives below wait at most safety.timeout_s
+            kwargs: dict[str, Any] = {"timeout": timedelta(seconds=launch.startup_timeout_s)}
             if self.root_device.type == "cuda":
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
             C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
         C.install_exit_guard()  # gloo's worker threads and the interpreter's exit (collectives.py)
-        topology = resolve_topology(self.topology_spec, self.num_processes)
-        self._groups = make_groups(self.shard_size, topology, self.world_size, self.num_nodes, self.global_rank,
-                                   self.stage, self._timeout, getattr(self, "secondary_shard", None))
+        self._make_groups()
+        opts = self.options
         shard = self._groups.axes["shard"] if self._groups.axes else None
-        self.placement_warning = check_job_placement(topology, self.num_processes, self.stage, shard,
-                                                     self.strict_placement)
+        self.placement_warning = check_job_placement(self._topology(), self.num_processes, opts.stage, shard,
+                                                     opts.safety.strict_placement)
+
+    def _topology(self) -> Optional[Topology]:
+        """The machine the ``topology`` option names (None: not given, so no placement check, and
+        ``shard_size="auto"`` cannot be resolved)."""
+        spec = self.options.topology
+        return None if spec is None else resolve(spec, self.num_processes)
+
+    def _make_groups(self) -> None:
+        """The shard / replicate / island process groups the options ask for (collective: every rank)."""
+        opts = self.options
+        self._groups = make_groups(opts.shard_size, self._topology(), self.world_size, self.num_nodes, self.global_rank,
+                                   opts.stage, self._timeout, getattr(opts, "secondary_shard", None))
 
     # ------------------------------------------------------------------ full weights on demand
     @contextmanager
@@ -147,58 +164,47 @@ class EngineAdapter:
         gradient bytes, free device memory, the ring) is measured once per fit, before the engine shards the module,
         so that a later call for another accumulation (``GradientAccumulationScheduler``) decides as a run started
         with it would have."""
-        if self.accumulation != "auto":
-            return self.accumulation, "set explicitly"
+        opts = self.options
+        if opts.accumulation != "auto":
+            return opts.accumulation, "set explicitly"
         from ..planner import auto_policy
 
         if getattr(self, "_policy_inputs", None) is None:
             grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
             free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else None
             ring = None
-            if self.topology_spec is not None:
-                topology = resolve_topology(self.topology_spec, self.num_processes)
+            topology = self._topology()
+            if topology is not None:
                 if topology.devices_per_node >= self.num_processes > 1:  # the ring this job's ranks form
                     ring = topology.ring(list(range(self.num_processes)))[0]
             self._policy_inputs = (grad_bytes, free, ring)
-        return auto_policy(self.stage, accumulate, *self._policy_inputs)
+        return auto_policy(opts.stage, accumulate, *self._policy_inputs)
 
-    def _unit_config(self) -> Optional[UnitConfig]:
-        granularity = getattr(self, "granularity", self.GRANULARITY)  # strategy=auto sets its own
-        if granularity is None:
+    def _param_dtype(self, precision: str, host: str) -> Optional[str]:
+        """``param_dtype``, checked against the host's precision (``host``: "Trainer" or "Fabric"): the policy is for
+        fp32 parameters, and fp16 compute needs the loss scaling of ``"16-mixed"``."""
+        dtype = self.options.param_dtype
+        if dtype in (None, "fp32"):
             return None
-        cfg = UnitConfig(granularity, reshard_after_forward=self.reshard_after_forward,
-                         prefetch_depth=self.prefetch_depth, leaf_modules=self.leaf_modules,
-                         min_unit_mb=self.min_unit_mb)
-        if granularity == "fsdp":  # the wrap policy (FSDPConfig's knobs)
-            wrap = self.wrap_classes
-            cfg.wrap_classes = list(wrap) if isinstance(wrap, (list, tuple)) else wrap
-            cfg.min_params = self.min_params
-        return cfg
+        if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+            raise ValueError(f"param_dtype={dtype!r} is a mixed-precision policy for fp32 parameters, but "
+                             f"{host}(precision={precision!r}) already sets the parameters' dtype; use "
+                             "precision='32-true' (or 'bf16-mixed'/'16-mixed') with param_dtype, or drop param_dtype.")
+        if dtype == "fp16" and precision != "16-mixed":
+            raise ValueError(f"param_dtype='fp16' needs loss scaling against fp16 gradient underflow: use "
+                             f"{host}(precision='16-mixed') with it, or param_dtype='bf16'.")
+        return dtype
 
     def _new_engine(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], policy: str,
                     deferred: Any, param_dtype: Optional[str]) -> ShardEngine:
-        if getattr(self, "secondary_shard", None) is not None and self._groups.island is None and \
-                self.stage == 3 and self.world_size > 1:
-            raise RuntimeError(f"secondary_shard={self.secondary_shard!r} is set but no island process groups were "
+        opts = self.options
+        if getattr(opts, "secondary_shard", None) is not None and self._groups.island is None and \
+                opts.stage == 3 and self.world_size > 1:
+            raise RuntimeError(f"secondary_shard={opts.secondary_shard!r} is set but no island process groups were "
                                "made (a bug: the groups are made in setup_environment, or by strategy=auto when its "
                                "planned row asks for them); refusing to train without the islands silently")
-        return ShardEngine(module, optimizers, stage=self.stage, bucket_mb=self.bucket_mb,
-                           reduce_dtype=self.reduce_dtype, accumulation=policy, overlap=self.overlap,
-                           broadcast_buffers=self.broadcast_buffers,
-                           allow_custom_optimizer=self.allow_custom_optimizer,
-                           find_unused_parameters=self.find_unused_parameters,
-                           units=self._unit_config(), deferred=deferred,
-                           group=self._groups.shard, replicate_group=self._groups.replicate,
-                           optim_chunk_mb=self.optim_chunk_mb, skip_nonfinite=self.skip_nonfinite,
-                           debug_collectives=self.debug_collectives,
-                           overlap_param_gather=self.overlap_param_gather,
-                           gather_group=self._groups.gather, param_dtype=param_dtype,
-                           offload_optimizer=self.offload_optimizer,
-                           offload_params=getattr(self, "offload_params", False),
-                           reduce_scatter_via=self.reduce_scatter_via, gather_quant=self.gather_quant,
-                           reduce_quant=self.reduce_quant, quant_block=self.quant_block,
-                           quant_error_feedback=self.quant_error_feedback, secondary_group=self._groups.island,
-                           all_gather_via=self.all_gather_via, huge_pages=self.huge_pages)
+        return ShardEngine(module, optimizers, dataclasses.replace(opts, accumulation=policy, param_dtype=param_dtype),
+                           self._groups, deferred=deferred, comm=self.comm)
 
 
-__all__ = ["ATTRIBUTE_OF", "EngineAdapter"]
+__all__ = ["EngineAdapter"]

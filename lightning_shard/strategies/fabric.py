@@ -3,7 +3,7 @@
 Registered in Fabric's registry when ``lightning_shard`` is imported (the same names as the Trainer's: ``zero0``,
 ``zero1``, ``zero2``, ``zero3``, ``fsdp_shard`` and the hybrids), or pass an instance:
 ``Fabric(strategy=Zero3FabricStrategy(prefetch_depth=2))``. The knobs are the Trainer strategies'
-(:mod:`lightning_shard.strategies.config`, documented there and in ``help(Zero2FabricStrategy)``).
+(:mod:`lightning_shard.options`, documented there and in ``help(Zero2FabricStrategy)``).
 
 A Fabric loop::
 
@@ -31,7 +31,6 @@ size (the module's parameter names must match, e.g. the same ``LightningModule``
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from pathlib import Path
 from typing import Any, Callable, Generator, Optional, Union
 
 import lightning
@@ -45,21 +44,24 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
-from ..checkpoint.consolidate import model_state
-from ..checkpoint.dcp import is_dcp_checkpoint
-from ..checkpoint.format import CheckpointError, Reader, is_sharded_checkpoint, model_mismatch
-from ..checkpoint.io import checkpoint_shapes, model_shapes, open_reader, save_dcp, save_sharded
-from ..checkpoint.pieces import load_pieces
+from ..checkpoint.save_load import (
+    load_model,
+    load_optimizers,
+    open_directory,
+    refuse_file_over_folder,
+    released,
+    save,
+    writes_pieces,
+)
 from ..engine import activation
 from ..engine.comm import collectives as C
 from ..engine.engine import sync_module_states
 from ..engine.scaler import LossScaler
-from ..engine.settings import parse_param_dtype
 from ..engine.zero3.deferred import DeferredInit, has_meta_tensors
+from ..options import FSDPOptions, Zero3Options, ZeroOptions
 from .adapter import EngineAdapter
-from .config import FSDPConfig, Zero3Config, ZeroConfig
-from .knobs import describe, takes_knobs_of
 from .precision import check_grads, sharded_step
+from .signature import describe, takes_options_of
 
 FABRIC_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
 SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -119,13 +121,13 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
     """Fabric adapter: ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
-    CONFIG: type[ZeroConfig] = ZeroConfig
+    OPTIONS: type[ZeroOptions] = ZeroOptions
     DEFAULT_STAGE = 2
     LIGHTNING_ARGS = FABRIC_ARGS
 
-    @takes_knobs_of(ZeroConfig)
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**self._take_knobs(knobs))
+    @takes_options_of(ZeroOptions)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**self._take_options(options))
         self._num_nodes = 1
         self._backward_sync_control = _EngineSync(self)
         self._module: Optional[nn.Module] = None  # set up, waiting for its optimizers (setup_module first)
@@ -155,10 +157,10 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        if self.options.launch.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.launch.start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -206,13 +208,14 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         deferred = self._deferred(module)
         if deferred is not None:
             deferred.remap(optimizers)
-        if self.activation_checkpointing is not None:  # before the engine hooks the modules, as under the Trainer
-            self._checkpointing = activation.apply(module, self.activation_checkpointing)
+        if self.options.activation_checkpointing is not None:  # before the engine hooks the modules (as the Trainer)
+            self._checkpointing = activation.apply(module, self.options.activation_checkpointing)
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self._checkpointing.describe()}")
         policy, reason = self._accumulation(module, 2)  # a Fabric loop may accumulate: plan as if it does
         self.accumulation_policy, self.accumulation_reason = policy, reason
         rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
-        self.engine = self._new_engine(module, optimizers, policy, deferred, self._param_dtype())
+        self.engine = self._new_engine(module, optimizers, policy, deferred,
+                                       self._param_dtype(self.precision.precision, "Fabric"))
         if self.engine.plan_summary:
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
         if self.engine.controller is not None:  # stage 3: each forward of the module is one pass of the schedule
@@ -225,29 +228,18 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
             self._full_state_hook(m, state, prefix, local_metadata)
 
         self._root_hooks.append(module.register_state_dict_post_hook(full_state))
-        _optimizers_to_device(optimizers, torch.device("cpu") if self.offload_optimizer else self.root_device)
+        _optimizers_to_device(optimizers, torch.device("cpu") if self.options.offload_optimizer else self.root_device)
 
     def _deferred(self, module: nn.Module) -> Optional[DeferredInit]:
         if not has_meta_tensors(module):
             return None
-        if self.stage != 3 or self._init_rng is None:
+        if self.options.stage != 3 or self._init_rng is None:
             raise ValueError("the model has parameters on the meta device; create it inside "
                              "fabric.init_module(empty_init=True) with a stage-3 strategy (zero3, fsdp_shard), which "
                              "materializes it shard by shard, or create it on a real device.")
-        deferred = DeferredInit(module, getattr(self, "param_init_fn", None), self.root_device)
+        deferred = DeferredInit(module, getattr(self.options, "param_init_fn", None), self.root_device)
         torch.random.set_rng_state(self._init_rng)
         return deferred
-
-    def _param_dtype(self) -> Optional[str]:
-        dtype = parse_param_dtype(self.param_dtype)
-        if dtype is None:
-            return None
-        if self.precision.precision not in ("32-true", "bf16-mixed", "16-mixed"):
-            raise ValueError(f"param_dtype={self.param_dtype!r} is a mixed-precision policy for fp32 parameters, but "
-                             f"Fabric(precision={self.precision.precision!r}) already sets the parameters' dtype")
-        if dtype is torch.float16 and self.precision.precision != "16-mixed":
-            raise ValueError("param_dtype='fp16' needs loss scaling: use Fabric(precision='16-mixed') with it")
-        return self.param_dtype
 
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # a meta-device model (init_module(empty_init=True)) is placed at set-up
@@ -256,7 +248,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)`` at stage 3: the model is created on the meta device (no memory)
         and materialized shard by shard at set-up, drawing the values a full init would (the RNG state is kept)."""
-        if self.stage == 3 and empty_init:
+        if self.options.stage == 3 and empty_init:
             return self._meta_init()
         return super().module_init_context(empty_init)
 
@@ -269,7 +261,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
             yield
 
     def module_sharded_context(self) -> AbstractContextManager:
-        return self._meta_init() if self.stage == 3 else nullcontext()
+        return self._meta_init() if self.options.stage == 3 else nullcontext()
 
     # ------------------------------------------------------------------ backward and step
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -377,7 +369,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         if _inner(module) is self._module:
-            self._load_full_module(state_dict, strict)
+            self._load_module(strict, None, weights=state_dict)
         else:
             _inner(module).load_state_dict(state_dict, strict=strict)
 
@@ -388,7 +380,7 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         return self.engine.binding_for(optimizer).full_state_dict()
 
     def _released(self) -> bool:
-        return self.engine is not None and self.engine.controller is not None and self.engine.controller.released
+        return released(self.engine)
 
     def _split_state(self, state: dict[str, Any]) -> tuple[Optional[str], list[str], dict[str, Any]]:
         """(the key of our module, the keys of its optimizers in order, the other entries)."""
@@ -412,10 +404,8 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if self.state_dict_type not in ("sharded", "dcp") or self.engine is None or self._released():
-            if Path(path).is_dir():
-                raise CheckpointError(f"{path} is a sharded checkpoint folder; a full checkpoint file cannot "
-                                      "replace it")
+        if not writes_pieces(self.options.state_dict_type, self.engine):
+            refuse_file_over_folder(path)
             return super().save_checkpoint(path, state, filter=filter)
         if filter:
             raise NotImplementedError("save filters with state_dict_type='sharded' (each rank writes whole shards); "
@@ -429,19 +419,16 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
         # what a Trainer resuming from this checkpoint looks for (its loops start at 0: Fabric keeps no loop state)
         others.setdefault("pytorch-lightning_version", lightning.__version__)
         others.setdefault("lr_schedulers", [])
-        (save_dcp if self.state_dict_type == "dcp" else save_sharded)(self.engine, others, path,
-                                                                      type(self).strategy_name)
+        save(self.engine, self.options.state_dict_type, others, path, type(self).strategy_name)
 
     def load_checkpoint(self, path: Any,
                         state: Optional[Union[nn.Module, torch.optim.Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (from Fabric or the Trainer, any strategy and world size) or a full file; the
         objects in ``state`` are restored in place; returns what the checkpoint holds beyond them."""
-        if not (is_sharded_checkpoint(path) or is_dcp_checkpoint(path)):
-            if Path(path).is_dir():
-                Reader(path)  # raises the explanatory error
+        reader = open_directory(path, self._module)  # a directory that is not a complete checkpoint raises
+        if reader is None:
             return self._load_full(path, state, strict)
-        reader = open_reader(path, self._module)
         saved = reader.trainer_state()
         own = saved.pop(OWN_KEYS, None) or {}
         saved.pop("lightning_shard", None)  # a DCP directory's record of the saving job
@@ -453,41 +440,22 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
                              "without a model run `lightning-shard consolidate`")
         module_key, opt_keys, _ = self._split_state(state)
         if module_key is not None:
-            self._load_model(reader, strict)
+            self._load_module(strict, reader.path, reader=reader)
         if opt_keys:
-            self._check_optimizers(reader, len(opt_keys))
-            load_pieces(self.engine, reader, params=False, optimizer=True)
+            load_optimizers(self.engine, [state[k] for k in opt_keys], reader.path, reader=reader)
         for k in ("state_dict", "optimizer_states", own.get("module"), *own.get("optimizers", [])):
             saved.pop(k, None)
         return _restore_rest(state, saved, {module_key, *opt_keys}, path, strict)
 
-    def _check_optimizers(self, reader: Reader, n: int) -> None:
-        if len(reader.meta["optimizers"]) != n:
-            raise CheckpointError(f"checkpoint {reader.path} holds {len(reader.meta['optimizers'])} optimizer "
-                                  f"state(s), the state passed to load names {n}")
-
-    def _load_model(self, reader: Reader, strict: bool) -> None:
-        module, engine = self._module, self.engine
-        assert module is not None
+    def _load_module(self, strict: bool, where: Any, reader: Any = None,
+                     weights: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """The set-up module's weights from a checkpoint directory or full tensors (checkpoint/save_load.py), with
+        ``model.state_dict()``'s full-weights hook off (the shapes check reads the module's own tensors)."""
+        assert self._module is not None
         with self._raw():
-            mine = model_shapes(module, engine)
-        problem = model_mismatch(mine, checkpoint_shapes(reader), strict=strict)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {reader.path} is for another model: {problem}")
-        param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        if engine is not None and engine.controller is not None:  # stage 3: each rank reads its own ranges
-            load_pieces(engine, reader, params=True, optimizer=False)
-            with self._raw():
-                module.load_state_dict({k: v for k, v in model_state(reader).items() if k not in param_names},
-                                       strict=False)
-            return
-        if engine is not None:
-            engine.wait_params()
-        state = model_state(reader, prefer_master=True)
-        module.load_state_dict(state, strict=strict)
-        if engine is not None:
-            masters = {n: v for n, v in state.items() if n in param_names and v.dtype == torch.float32}
-            engine.load_full(masters, masters_only=True)
+            masters = load_model(self._module, self.engine, strict, where, reader=reader, weights=weights)
+        if masters is not None and self.engine is not None:  # the module took them: the fp32 masters too
+            self.engine.load_full(masters, masters_only=True)
 
     def _load_full(self, path: Any, state: Any, strict: bool) -> dict[str, Any]:
         """A regular file (ours with state_dict_type='full', or any Fabric strategy's): read with weights_only."""
@@ -499,33 +467,11 @@ class ZeroFabricStrategy(EngineAdapter, ParallelStrategy, _Sharded):
             checkpoint = {"model": checkpoint}
         module_key, opt_keys, _ = self._split_state(state)
         if module_key is not None:
-            self._load_full_module(checkpoint.pop(module_key), strict)
-        for k in opt_keys:
-            opt = state[k]
-            saved = checkpoint.pop(k)
-            if self.engine is None:
-                opt.load_state_dict(saved)
-            else:
-                self.engine.binding_for(opt).load_full_state_dict(saved)
+            self._load_module(strict, path, weights=checkpoint.pop(module_key))
+        if opt_keys:
+            load_optimizers(self.engine, [state[k] for k in opt_keys], path,
+                            states=[checkpoint.pop(k) for k in opt_keys])
         return _restore_rest(state, checkpoint, {module_key, *opt_keys}, path, strict)
-
-    def _load_full_module(self, weights: dict[str, torch.Tensor], strict: bool) -> None:
-        module, engine = self._module, self.engine
-        assert module is not None
-        param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        if engine is not None and engine.controller is not None:  # stage 3: into the shards
-            missing = engine.load_full(weights)
-            result = module.load_state_dict({k: v for k, v in weights.items() if k not in param_names}, strict=False)
-            problems = missing + [k for k in result.missing_keys if k not in param_names] + result.unexpected_keys
-            if strict and problems:
-                raise CheckpointError(f"checkpoint does not match the model: {problems[:10]} missing or unexpected")
-            return
-        if engine is not None:
-            engine.wait_params()
-        module.load_state_dict(weights, strict=strict)
-        if engine is not None:
-            engine.load_full({n: v for n, v in weights.items() if n in param_names and v.dtype == torch.float32},
-                             masters_only=True)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
@@ -573,25 +519,23 @@ class Zero3FabricStrategy(ZeroFabricStrategy):
     """ZeRO-3: parameters sharded too; every module with parameters is a unit."""
 
     strategy_name = "zero3"
-    CONFIG = Zero3Config
+    OPTIONS = Zero3Options
     DEFAULT_STAGE = 3
-    GRANULARITY = "zero3"
 
-    @takes_knobs_of(Zero3Config)
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**knobs)
+    @takes_options_of(Zero3Options)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
 
 
 class FSDPShardFabricStrategy(Zero3FabricStrategy):
     """FSDP-style units chosen by a wrap policy."""
 
     strategy_name = "fsdp_shard"
-    CONFIG = FSDPConfig
-    GRANULARITY = "fsdp"
+    OPTIONS = FSDPOptions
 
-    @takes_knobs_of(FSDPConfig)
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**knobs)
+    @takes_options_of(FSDPOptions)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
 
 
 FABRIC_CLASSES = {"zero0": Zero0FabricStrategy, "zero1": Zero1FabricStrategy, "zero2": Zero2FabricStrategy,

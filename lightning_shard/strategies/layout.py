@@ -9,49 +9,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Union
 
 from ..engine.comm import collectives as C
+from ..engine.comm.groups import Groups
 from ..topology import Topology, build_layout, check_placement
-from ..topology.presets import resolve
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Groups:
-    shard: C.Group = None  # None: the world group
-    replicate: C.Group = None  # None: no replication (plain sharding)
-    axes: Optional[dict[str, int]] = None
-    gather: C.Group = None  # stages 1-3: a copy of the shard group for parameter all-gathers (None: the engine's own)
-    island: C.Group = None  # stage 3 ``secondary_shard`` (hpZ): this rank's island, for the gathers after the first
-
-
-def resolve_topology(spec: Optional[str], local_world: int) -> Optional[Topology]:
-    """The strategy's ``topology`` knob (:func:`lightning_shard.topology.presets.resolve`); None: not given (no
-    placement check; ``shard_size="auto"`` then needs one)."""
-    return None if spec is None else resolve(spec, local_world)
-
-
-def validate_shard_size(shard_size: Union[None, int, str]) -> None:
-    if shard_size is None or shard_size == "auto":
-        return
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"shard_size must be None (shard over all ranks), 'auto' (island size from the topology) or "
-                         f"a positive integer, got {shard_size!r}")
-
-
-def validate_secondary_shard(secondary: Union[None, int, str], shard_size: Union[None, int, str] = None) -> None:
-    if secondary is None:
-        return
-    if secondary != "island" and (isinstance(secondary, bool) or not isinstance(secondary, int) or secondary < 2):
-        raise ValueError(f"secondary_shard must be None (off), 'island' (the topology's island size) or an integer "
-                         f">= 2 (ranks per island), got {secondary!r}")
-    if shard_size is not None:
-        raise ValueError(f"secondary_shard={secondary!r} with shard_size={shard_size!r}: hybrid sharding already "
-                         "keeps every parameter gather inside its shard group; use one of them")
 
 
 def _consecutive(size: int, world: int) -> tuple[tuple[int, ...], ...]:

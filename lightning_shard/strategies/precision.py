@@ -33,10 +33,10 @@ def check_grads(engine: "ShardEngine", optimizer: Any, loss_scaler: Optional[Los
     engine.prepare_step(optimizer)
     if loss_scaler is not None:
         return "overflow" if engine.unscale_and_check(optimizer, 1.0 / loss_scaler.scale) else "ok"
-    if engine.skip_nonfinite is not None:
+    if engine.options.safety.skip_nonfinite is not None:
         bad = engine.find_nonfinite(optimizer)
         if bad is not None:
-            if not engine.skip_nonfinite:
+            if not engine.options.safety.skip_nonfinite:
                 raise FloatingPointError(f"non-finite gradient in parameter {bad}; the step was not taken on any "
                                          "rank. Lower the learning rate, clip gradients, or pass "
                                          "skip_nonfinite=True to skip such steps with a warning.")

@@ -1,9 +1,9 @@
 """Lightning strategies ``zero0``, ``zero1`` and ``zero2``: thin adapters over :class:`ShardEngine`.
 
 ``Trainer(strategy="zero2")`` (names registered when ``lightning_shard`` is imported) or
-``Trainer(strategy=Zero2Strategy(bucket_mb=50, accumulation="per_micro_batch"))``.
+``Trainer(strategy=Zero2Strategy(accumulation="per_micro_batch", tuning=Tuning(bucket_mb=50)))``.
 
-Knobs: :class:`~lightning_shard.strategies.config.ZeroConfig` (each documented there and in ``help(Zero2Strategy)``).
+Options: :class:`~lightning_shard.options.ZeroOptions` (each documented there and in ``help(Zero2Strategy)``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from ..checkpoint.io import CheckpointMixin
 from ..engine import activation
 from ..engine.comm import collectives as C
 from ..engine.engine import sync_module_states
-from ..engine.settings import parse_param_dtype
+from ..options import ZeroOptions
 from . import summary
 from .adapter import EngineAdapter
-from .config import ZeroConfig
-from .knobs import LIGHTNING_ARGS, describe, takes_knobs_of
 from .precision import ShardedPrecision
+from .signature import LIGHTNING_ARGS, describe, takes_options_of
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +38,13 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
-    CONFIG: type[ZeroConfig] = ZeroConfig  # the knobs (strategies/config.py); KNOBS, STAGES, ACCUMULATION follow
-    KNOBS: tuple[str, ...] = ZeroConfig.names() + LIGHTNING_ARGS
+    OPTIONS: type[ZeroOptions] = ZeroOptions  # the options (lightning_shard/options.py)
     LIGHTNING_ARGS = LIGHTNING_ARGS  # Lightning's own Strategy arguments, passed on
-    STAGES: tuple[int, ...] = ZeroConfig.STAGES
     DEFAULT_STAGE = 2  # ``stage=None``: the class's own (0/1/2 for zero0/1/2)
-    ACCUMULATION: tuple[str, ...] = ZeroConfig.choices("accumulation")
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "CONFIG" in cls.__dict__:  # a class with its own knobs: derive what follows from them
-            cls.KNOBS = cls.CONFIG.names() + LIGHTNING_ARGS
-            cls.STAGES = cls.CONFIG.STAGES
-            cls.ACCUMULATION = cls.CONFIG.choices("accumulation")
-
-    @takes_knobs_of(ZeroConfig)
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**self._take_knobs(knobs))
+    @takes_options_of(ZeroOptions)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**self._take_options(options))
         self._reader: Any = None
         self._num_nodes = 1
         self._masters_from_checkpoint: dict[str, torch.Tensor] = {}
@@ -79,10 +68,10 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        if self.options.launch.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.options.launch.start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -117,10 +106,10 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
             self.accumulation_policy, self.accumulation_reason = policy, reason
             rank_zero_info(f"lightning_shard {type(self).strategy_name}: accumulation={policy} ({reason})")
             self.engine = self._new_engine(self.model, self.optimizers, policy, self._deferred_init(),
-                                           self._param_dtype())
+                                           self._param_dtype(self.precision_plugin.precision, "Trainer"))
             if self.engine.plan_summary:
                 rank_zero_info(f"lightning_shard {type(self).strategy_name}: {self.engine.plan_summary}")
-            if self.stage == 3:  # parameters are empty between steps: count them from the engine's layout
+            if self.options.stage == 3:  # parameters are empty between steps: count them from the engine's layout
                 summary.install(trainer, self.engine)
             self.precision_plugin.attach(self.engine)
             if self._masters_from_checkpoint:  # weights were restored before setup: keep their fp32 precision
@@ -130,23 +119,8 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
             sync_module_states(self.model, None)
         self.setup_precision_plugin()
         if fitting:  # offload_optimizer: the optimizer state belongs in host memory, beside the master shards
-            _optimizers_to_device(self.optimizers, torch.device("cpu") if self.offload_optimizer else self.root_device)
-
-    def _param_dtype(self) -> Optional[str]:
-        """``param_dtype``, checked against the Trainer's precision (the policy is for fp32 parameters; fp16
-        compute needs the loss scaling of ``"16-mixed"``)."""
-        dtype = parse_param_dtype(self.param_dtype)
-        if dtype is None:
-            return None
-        precision = self.precision_plugin.precision
-        if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
-            raise ValueError(f"param_dtype={self.param_dtype!r} is a mixed-precision policy for fp32 parameters, but "
-                             f"Trainer(precision={precision!r}) already sets the parameters' dtype; use "
-                             "precision='32-true' (or 'bf16-mixed'/'16-mixed') with param_dtype, or drop param_dtype.")
-        if dtype is torch.float16 and precision != "16-mixed":
-            raise ValueError("param_dtype='fp16' needs loss scaling against fp16 gradient underflow: use "
-                             "Trainer(precision='16-mixed') with it, or param_dtype='bf16'.")
-        return self.param_dtype
+            host = self.options.offload_optimizer
+            _optimizers_to_device(self.optimizers, torch.device("cpu") if host else self.root_device)
 
     def _checkpoint_activations(self) -> None:
         """``activation_checkpointing``: the chosen blocks' forwards recompute in backward (before the engine hooks
@@ -154,9 +128,9 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
         if self._checkpointing is not None:
             self._checkpointing.remove()
             self._checkpointing = None
-        if self.activation_checkpointing is None:
+        if self.options.activation_checkpointing is None:
             return
-        self._checkpointing = activation.apply(self.model, self.activation_checkpointing)
+        self._checkpointing = activation.apply(self.model, self.options.activation_checkpointing)
         (rank_zero_info if self._checkpointing.modules else rank_zero_warn)(
             f"lightning_shard {type(self).strategy_name}: {self._checkpointing.describe()}")
 

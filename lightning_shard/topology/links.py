@@ -30,7 +30,7 @@ class LinkClass(str, Enum):
 
     @property
     def is_fast(self) -> bool:
-        """Links that make an island (DESIGN.md section 4: islands are components of the fast-link graph)."""
+        """Links that make an island ("Design rules" 5)."""
         return self in (LinkClass.NVSWITCH, LinkClass.NVLINK, LinkClass.XGMI, LinkClass.SHM)
 
     @property

@@ -1,6 +1,6 @@
 """Placement check: does a job push its traffic across slow links when a better placement exists?
 
-Traffic classes (DESIGN.md section 2):
+Traffic classes (docs/architecture.md, "Design rules" 4):
 - "per_layer": ZeRO-3 / FSDP gather parameters and reduce-scatter gradients for every layer, so every
   layer waits on the ring of the shard group.
 - "per_step": DDP / ZeRO-1 / ZeRO-2 communicate once per optimizer step over all ranks.

@@ -66,25 +66,6 @@ def read_preset(name: str, directory: Path | None = None) -> dict[str, Any]:
     return data
 
 
-def resolve(spec: str | Topology | None, world: int) -> Topology:
-    """The one resolver of a topology argument: a Topology as it is, a preset name, a capture file, ``"detect"``
-    (the live machine); None or ``"cpu"``: ``world`` CPU processes."""
-    if isinstance(spec, Topology):
-        return spec
-    if spec is None or spec == "cpu":
-        return load_preset("cpu", devices=world)
-    if spec == "detect":
-        from lightning_shard.topology.detect import detect
-
-        return detect()
-    if Path(spec).is_file():
-        return from_capture(spec)
-    if spec not in list_presets():
-        raise ValueError(f"unknown topology {spec!r}: not a preset ({', '.join(list_presets())}), not a capture "
-                         "file, not 'detect' (build a capture with: nvidia-smi topo -m > topo.txt)")
-    return load_preset(spec)
-
-
 def load_preset(name: str, directory: Path | None = None, **overrides: Any) -> Topology:
     """A :class:`Topology` from `conf/topology/<name>.yaml`; `overrides` replace keys (e.g. devices=2)."""
     cfg = {**read_preset(name, directory), **overrides}

@@ -1,6 +1,6 @@
 """Bottleneck rings: the fastest ring through a set of devices and the speed of a given ring.
 
-A ring collective runs at the speed of its slowest hop (DESIGN.md section 2, nccl-tests busbw), so the
+A ring collective runs at the speed of its slowest hop ("Design rules" 4; nccl-tests busbw), so the
 ring bandwidth of a device set is the best, over all orders, of the minimum pair bandwidth along the
 order. We test thresholds from the fastest pair down and look for a Hamiltonian cycle that uses only
 pairs at least that fast (a small backtracking search: device sets here have at most a few dozen members,

@@ -2,7 +2,7 @@
 
 - the main-job path: ``python -m lightning_shard.train`` with the default popen launcher (every rank re-runs
   the command), summary table and ``summary.json``;
-- ``-m`` over every non-hybrid strategy with ``strategy.start_method=fork`` (one start-up for all jobs): every
+- ``-m`` over every non-hybrid strategy with ``strategy.launch.start_method=fork`` (one start-up for all jobs): every
   job's summary plus ``report.md`` / ``report.png`` in the sweep folder;
 - parity: the same fit written directly in Python (Trainer + strategy object, same seed) gives the same
   final validation loss as the command, within 1e-6 (fp32 on CPU: in practice bit-identical).
@@ -42,7 +42,7 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
-    _run(["-m", f"strategy={','.join(SWEPT)}", "strategy.start_method=fork", *COMMON, f"hydra.sweep.dir={out}"])
+    _run(["-m", f"strategy={','.join(SWEPT)}", "strategy.launch.start_method=fork", *COMMON, f"hydra.sweep.dir={out}"])
     return out
 
 
@@ -76,7 +76,7 @@ def test_main_job_path_popen(tmp_path):
     assert s["final_val_step"] == 4 and s["final_val_loss"] < s["step_losses"][0]
     metrics = next(whole.glob("gpt_test/version_*/metrics.csv")).read_text().splitlines()[0].split(",")
     assert {"comm/total", "mem/total", "mem/gathered_params_peak", "train_loss", "val_loss"} <= set(metrics)
-    # zero2 on gloo: its gradient reduce-scatters run as all-to-alls (reduce_scatter_via="auto")
+    # zero2 on gloo: its gradient reduce-scatters run as all-to-alls (the engine's choice on gloo)
     assert any(m.startswith("comm/all_to_all[") for m in metrics)
     logs = (whole / "train.log").read_text()
     assert "Initializing distributed: GLOBAL_RANK: 0" in logs and "accumulation=" in logs
@@ -146,7 +146,7 @@ def _direct_fit(strategy_cls) -> float:
 
     torch.set_num_threads(1)
     L.seed_everything(1234, workers=True)
-    strategy = strategy_cls(start_method="fork")
+    strategy = strategy_cls(launch={"start_method": "fork"})
     dm = StdlibTextDataModule(block_size=32, micro_batch_size=2, max_bytes=100_000, val_fraction=0.1,
                               max_val_windows=16, num_workers=0, seed=1234)
     module = GPTLightningModule(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0,

@@ -16,18 +16,30 @@ from lightning_shard.train import preflight, sweep_combinations
     (["strategy=zero9"], ["strategy=zero9", "did you mean 'zero3'", "zero0, zero1, zero2"]),
     (["topology=hgx_h100_9"], ["topology=hgx_h100_9", "hgx_h100_8"]),
     (["recipe=gpt_huge"], ["recipe=gpt_huge", "gpt_tiny", "digits"]),
-    # typo in a knob: the key, the close match, the valid keys
-    (["strategy.bucket_mbb=3"], ["strategy.bucket_mbb", "did you mean 'bucket_mb'", "valid keys of strategy"]),
+    # typo in an option: the key, the close match, the valid keys (of the strategy, of a group)
+    (["strategy.acumulation=defer"], ["strategy.acumulation", "did you mean 'accumulation'", "valid keys of strategy"]),
+    (["strategy.tuning.bucket_mbb=3"], ["strategy.tuning.bucket_mbb", "did you mean 'bucket_mb'",
+                                        "valid keys of strategy.tuning"]),
+    (["strategy.tunning.bucket_mb=3"], ["strategy.tunning", "did you mean 'tuning'"]),
     (["trainer.max_step=3"], ["trainer.max_step", "did you mean 'max_steps'"]),
     (["+recipe.model.n_layr=2"], ["recipe.model.n_layr", "did you mean 'n_layer'"]),
+    # an option of a group given flat (the flat knob list of before): the key and where it lives now
+    (["strategy.bucket_mb=5"], ["strategy.bucket_mb: no such key", "strategy.tuning.bucket_mb=5"]),
+    (["strategy=zero3", "strategy.prefetch_depth=2"], ["strategy.prefetch_depth", "strategy.tuning.prefetch_depth=2"]),
+    (["strategy.start_method=fork"], ["strategy.start_method", "strategy.launch.start_method=fork"]),
+    (["strategy.quant_block=64"], ["strategy.quant_block", "did you mean strategy.compression.block"]),
+    (["+strategy.overlap=false"], ["strategy.overlap: not an option", "strategy.tuning.overlap=false"]),
     # wrong type: the key, the expected type, an example
-    (["strategy.bucket_mb=fast"], ["strategy.bucket_mb", "Float", "strategy.bucket_mb=25.0"]),
-    (["strategy.overlap=maybe"], ["strategy.overlap", "bool", "strategy.overlap=true"]),
+    (["strategy.tuning.bucket_mb=fast"], ["strategy.tuning.bucket_mb", "Float", "strategy.tuning.bucket_mb=25.0"]),
+    (["strategy.tuning.overlap=maybe"], ["strategy.tuning.overlap", "bool", "strategy.tuning.overlap=true"]),
     (["recipe.micro_batch_size=two"], ["recipe.micro_batch_size", "Integer"]),
     # a value outside the choices of that strategy
     (["strategy.accumulation=defer_it"], ["strategy.accumulation='defer_it'", "auto, defer, per_micro_batch"]),
     (["strategy=zero1", "strategy.accumulation=per_micro_batch"], ["Zero1Strategy", "choose one of auto, defer"]),
     (["strategy=zero3", "strategy.accumulation=defer"], ["keep_unsharded_grads", "keep_params"]),
+    (["strategy.launch.start_method=thread"], ["strategy.launch.start_method='thread'", "popen, fork, spawn"]),
+    (["strategy=zero3", "strategy.compression.reduce_quant=int2"], ["strategy.compression.reduce_quant='int2'",
+                                                                  "none, int8, int4"]),
     # a recipe path that does not exist
     (["recipe=hf_causal_lm", "recipe.model.name_or_path=./models/does-not-exist"],
      ["recipe.model.name_or_path", "no such file or directory", "hub id"]),
@@ -104,4 +116,6 @@ def test_good_input_passes():
     assert preflight([]) is None
     assert preflight(["strategy=fsdp_shard", "recipe=digits", "strategy.accumulation=keep_params"]) is None
     assert preflight(["strategy=zero2_hybrid", "topology=cpu_2x2"]) is None
+    assert preflight(["strategy=zero3", "strategy.tuning.prefetch_depth=2", "strategy.launch.start_method=fork",
+                      "strategy.compression.reduce_quant=int8", "strategy.safety.timeout_s=60"]) is None
     assert preflight(["--cfg", "job"]) is None  # Hydra's own modes are left to Hydra

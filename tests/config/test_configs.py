@@ -1,4 +1,4 @@
-"""Every shipped config composes and instantiates (DESIGN rule 6); the batch arithmetic refuses bad shapes (rule 8).
+"""Every shipped config composes and instantiates ("Design rules" 11); the batch arithmetic refuses bad shapes (7).
 
 Hydra composition costs ~0.25 s here, so the strategy x topology x recipe product (9 x 8 x 7) is covered as:
 Hydra composes every strategy x topology pair (with its machine/ and specialize/ groups), and each of those is
@@ -109,8 +109,10 @@ def test_every_combination_composes_and_checks(strategy, recipe_nodes):
 
 
 def test_specialization_group_applies():
-    assert _compose(["strategy=zero3", "topology=pcie_8"]).strategy.reshard_after_forward is False
-    assert _compose(["strategy=zero3", "topology=hgx_h100_8"]).strategy.reshard_after_forward is True
+    assert _compose(["strategy=zero3", "topology=pcie_8"]).strategy.tuning.reshard_after_forward is False
+    assert _compose(["strategy=zero3", "topology=hgx_h100_8"]).strategy.tuning.reshard_after_forward is True
+    # a specialization sets one field of a group: the group's other fields keep their defaults
+    assert _compose(["strategy=zero3", "topology=pcie_8"]).strategy.tuning.bucket_mb == 25.0
 
 
 # ------------------------------------------------------------------------------------------ instantiation
@@ -120,7 +122,20 @@ def test_strategy_configs_instantiate(strategy):
     obj = instantiate(cfg.strategy, _convert_="all")
     assert type(obj).__name__ == cfg.strategy._target_.rsplit(".", 1)[1]
     if strategy in HYBRID:
-        assert obj.shard_size == "auto" and obj.topology_spec == "cpu_2x2"
+        assert obj.options.shard_size == "auto" and obj.options.topology == "cpu_2x2"
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp_shard", "auto"])
+def test_group_overrides_reach_the_strategy(strategy):
+    """``strategy.<group>.<field>=...`` composes into the group's node and the instantiated strategy holds it in
+    ``options.<group>``; the group's other fields keep their defaults."""
+    cfg = _compose([f"strategy={strategy}", "strategy.tuning.bucket_mb=5", "strategy.launch.start_method=fork",
+                    "strategy.compression.error_feedback=false", "strategy.safety.timeout_s=60"])
+    obj = instantiate(cfg.strategy, _convert_="all")
+    opts = obj.options
+    assert (opts.tuning.bucket_mb, opts.launch.start_method, opts.compression.error_feedback,
+            opts.safety.timeout_s) == (5.0, "fork", False, 60.0)
+    assert opts.tuning.overlap is True and opts.changed()["tuning"] == {"bucket_mb": 5.0}
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -2,7 +2,7 @@
 
 * every row of every plan, on every topology preset (and a capture file), builds its strategy: the registered
   Lightning class with the row's kwargs, and the printed Python constructor; the strategy ends up with the
-  row's stage, accumulation policy and knobs;
+  row's stage, accumulation policy and options (groups included: ``tuning``, ``compression``);
 * every row's Hydra overrides compose (conf/train.yaml + conf/strategy/*.yaml + app/schema.py), pass the
   pre-launch checks the app runs, give the planned world size and accumulation, and instantiate the same strategy;
 * the printed output names the pick, explains its markers and prints the command and constructor;
@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shlex
@@ -31,7 +32,7 @@ from omegaconf import OmegaConf
 import lightning_shard.strategies as strategies
 from lightning_shard.cli import main
 from lightning_shard.planner import plan
-from lightning_shard.planner.advice import RECIPE_PLACEHOLDER, python_constructor, reproduce, strategy_kwargs
+from lightning_shard.planner.advice import RECIPE_PLACEHOLDER, flatten, python_constructor, reproduce, strategy_kwargs
 from lightning_shard.planner.cli_plan import plot
 from lightning_shard.planner.config import STAGE_OF
 from lightning_shard.planner.hardware import device_spec
@@ -41,8 +42,6 @@ from lightning_shard.topology import list_presets, load_preset
 from lightning_shard.train import CONF_DIR, check_config
 
 CAPTURE = Path(__file__).parents[1] / "assets" / "topology" / "f08_h100_nvl_pairs.txt"
-KNOBS = ("accumulation", "bucket_mb", "reshard_after_forward", "prefetch_depth", "wrap_classes", "min_params",
-         "shard_size")
 
 
 def _settings() -> list[tuple]:
@@ -83,19 +82,28 @@ def _registered(name: str):
     return entry["strategy"], dict(entry["init_params"])
 
 
+def _option(options, dotted: str):
+    """An option by its dotted name (``tuning.bucket_mb``)."""
+    for part in dotted.split("."):
+        options = getattr(options, part)
+    return options
+
+
 def _assert_is_row(strategy, row, res) -> None:
-    """The built strategy is the row: class, stage, policy and every knob of its kwargs."""
+    """The built strategy is the row: class, stage, policy and every option of its kwargs (a group's fields
+    included); its options are the row's own (``StrategyConfig.options()``), the topology aside."""
     cfg, kw = row.config, row.config.kwargs()
     assert type(strategy).__name__ == python_constructor(res, row)[1].split("(")[0]
     assert isinstance(strategy, _registered(cfg.registered)[0])
-    assert strategy.stage == STAGE_OF[cfg.strategy] == cfg.stage
-    assert strategy.accumulation == cfg.policy and cfg.policy in type(strategy).ACCUMULATION
-    for k in KNOBS:
-        if k in kw:
-            assert getattr(strategy, k) == kw[k], (row.label, k)
+    opts = strategy.options
+    assert opts.stage == STAGE_OF[cfg.strategy] == cfg.stage
+    assert opts.accumulation == cfg.policy and cfg.policy in type(strategy).OPTIONS.choices("accumulation")
+    for k, v in flatten(kw).items():
+        assert _option(opts, k) == v, (row.label, k)
+    assert dataclasses.replace(opts, topology=None) == dataclasses.replace(cfg.options(), topology=None), row.label
     if cfg.shard_size:
-        assert strategy.shard_size == cfg.shard_size
-        assert strategy.topology_spec == res.topology_spec
+        assert opts.shard_size == cfg.shard_size
+        assert opts.topology == res.topology_spec
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
@@ -121,7 +129,7 @@ def test_stage3_rows_use_the_strategies_policy_names():
                            "--json"]))
     for row in out[0]["rows"]:
         cls, _ = _registered(row["strategy"])
-        assert row["kwargs"]["accumulation"] in cls.ACCUMULATION, row["label"]
+        assert row["kwargs"]["accumulation"] in cls.OPTIONS.choices("accumulation"), row["label"]
     with pytest.raises(ValueError, match="stage 3 calls deferring 'keep_unsharded_grads'"):
         type(res.best.config)("zero3", 3, "defer")
 
@@ -153,8 +161,8 @@ def _check_hydra(res, row, recipe: str) -> None:
     assert accumulate == res.context.job.accumulation, row.label
     assert cfg.trainer.devices * cfg.trainer.num_nodes == res.context.job.world, row.label
     assert cfg.trainer.precision == res.context.job.precision
-    node = OmegaConf.to_container(cfg.strategy, resolve=True)
-    for k, v in strategy_kwargs(res, row).items():
+    node = flatten(OmegaConf.to_container(cfg.strategy, resolve=True))  # a group's fields as dotted keys
+    for k, v in flatten(strategy_kwargs(res, row)).items():
         assert node[k] == v, (row.label, k, node[k], v)
     _assert_is_row(instantiate(cfg.strategy, _convert_="all"), row, res)
 
@@ -177,6 +185,33 @@ def test_recommended_hydra_overrides_compose_and_build(setting):
     res = planned(*setting)
     for row in (res.best, res.runner_up):
         _check_hydra(res, row, setting[0])
+
+
+def test_a_rows_group_options_print_as_dotted_hydra_keys_and_as_dicts():
+    """A row's options of a group: ``strategy.tuning.prefetch_depth=1`` for Hydra, ``tuning={"prefetch_depth": 1}``
+    in the constructor; both build the row (composed, checked and instantiated; run as printed)."""
+    from lightning_shard.planner.advice import strategy_overrides
+    from lightning_shard.planner.config import StrategyConfig
+
+    rows = [StrategyConfig("zero3", 3, "per_micro_batch", prefetch_depth=1, quant_block=64, gather_quant="int8"),
+            StrategyConfig("fsdp_shard", 3, "keep_unsharded_grads", reshard_after_forward=False)]
+    res = plan(_model("gpt_1b"), "hgx_h100_8", None, 64, 1, "bf16-true", configs=rows, require_fit=False)
+    printed = {r.config.strategy: (strategy_overrides(res, r), python_constructor(res, r)[1]) for r in res.rows}
+    hydra, ctor = printed["zero3"]
+    assert {"strategy.tuning.prefetch_depth=1", "strategy.compression.gather_quant=int8",
+            "strategy.compression.block=64"} <= set(hydra), hydra
+    assert 'tuning={"prefetch_depth": 1}' in ctor and '"block": 64' in ctor, ctor
+    hydra, ctor = printed["fsdp_shard"]
+    assert "strategy.tuning.reshard_after_forward=false" in hydra and \
+        'tuning={"reshard_after_forward": False}' in ctor, (hydra, ctor)
+    assert not any(o.split("=")[0].count(".") == 1 and o.split("=")[0].split(".")[1] in
+                   ("prefetch_depth", "reshard_after_forward", "block", "gather_quant") for o in hydra)
+    for row in res.rows:
+        _check_hydra(res, row, "gpt_1b")
+        imp, ctor = python_constructor(res, row)
+        scope: dict = {}
+        exec(imp, scope)
+        _assert_is_row(eval(ctor, scope), row, res)
 
 
 def test_subset_of_a_node_gets_its_devices():
@@ -301,16 +336,17 @@ def test_auto_strategy_agrees_with_the_cli(model, topology, gpus, global_batch, 
     rec = auto.recommend(global_batch // (micro * world))
     assert (rec.strategy_name, rec.kwargs) == (cli["strategy"], cli["kwargs"])
 
-    auto.apply(rec)  # what setup builds: the same stage, granularity and knobs as the row's registered class
+    auto.apply(rec)  # what setup builds: the same stage, granularity and options as the row's registered class
     cls, init = _registered(rec.strategy_name)
     built = cls(**{**init, **rec.kwargs})
-    assert auto.stage == built.stage
-    if built.stage == 3:  # which modules become units (zero3: every module; fsdp_shard: the wrap policy)
-        assert auto.granularity == built.granularity
+    assert type(auto.options) is type(built.options) and auto.options.stage == built.options.stage
+    if built.options.stage == 3:  # which modules become units (zero3: every module; fsdp_shard: the wrap policy)
+        assert auto.options.granularity == built.options.granularity
     assert auto.recommendation is rec
-    for k in KNOBS:
-        if k in rec.kwargs or k == "accumulation":
-            assert getattr(auto, k) == getattr(built, k), k
+    for k in ["accumulation", *flatten(rec.kwargs)]:
+        assert _option(auto.options, k) == _option(built.options, k), k
+    mine = {k: v for k, v in auto.options.changed().items() if k != "topology"}
+    assert mine == {k: v for k, v in built.options.changed().items() if k != "topology"}
     assert strategies.REGISTERED[rec.strategy_name][0] is cls
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_shard.engine.comm import collectives as C
 from lightning_shard.engine.engine import ShardEngine
+from lightning_shard.options import options_for
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def _train(engine: ShardEngine, model: nn.Module, opt: torch.optim.Optimizer, st
 def launches_during_backward(overlap: bool) -> list[tuple[str, bool]]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002, overlap=overlap)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer",
+                                                   tuning={"bucket_mb": 0.0002, "overlap": overlap}))
     mark = C.LEDGER.mark()
     _train(engine, model, opt, 1)
     engine.remove_hooks()
@@ -70,7 +72,7 @@ def test_reductions_launch_from_hooks_during_backward(w):
 def overflow_decision(inject_on_rank: int) -> dict[str, Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0005)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer", tuning={"bucket_mb": 0.0005}))
     X, Y = _data(1, 2)
     rank = C.get_rank()
     engine.pre_backward()
@@ -103,26 +105,28 @@ def test_fp16_overflow_decision_agrees_on_all_ranks(w):
 def bf16_master(reduce_dtype: Any) -> dict[str, Any]:
     model = _model(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0, reduce_dtype=reduce_dtype)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer", tuning={"bucket_mb": 100.0},
+                                                   compression={"reduce_dtype": reduce_dtype}))
     _train(engine, model, opt, 6, torch.bfloat16)
     engine.wait_params()  # the last post-step all-gather runs in the background (overlap_param_gather)
     b = engine.buckets[0]
     full_master = torch.empty(b.layout.padded_numel, dtype=torch.float32)
     shard = torch.zeros(b.layout.shard_numel)
-    shard[: b.owned_numel] = b.master
+    shard[: b.owned_numel] = b.store.master
     C.all_gather(full_master, shard)
-    return {"master_dtype": str(b.master.dtype), "param_dtype": str(b.flat_param.dtype),
-            "master": full_master[: b.layout.numel].clone(), "flat": b.flat_param[: b.layout.numel].float().clone(),
+    return {"master_dtype": str(b.store.master.dtype), "param_dtype": str(b.store.flat_param.dtype),
+            "master": full_master[: b.layout.numel].clone(),
+            "flat": b.store.flat_param[: b.layout.numel].float().clone(),
             "reduce_ops": [e.dtype for e in C.LEDGER.since(0) if e.tag.startswith("grad_bucket")][-1]}
 
 
 def fp32_run() -> torch.Tensor:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=100.0)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer", tuning={"bucket_mb": 100.0}))
     _train(engine, model, opt, 6)
     engine.wait_params()
-    return engine.buckets[0].flat_param[: engine.buckets[0].layout.numel].clone()
+    return engine.buckets[0].store.flat_param[: engine.buckets[0].layout.numel].clone()
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, "bf16"])
@@ -143,17 +147,18 @@ def test_bf16_params_keep_fp32_master(w, reduce_dtype):
 def param_gather_overlap(overlap: bool) -> dict[str, Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=1, bucket_mb=0.0002, overlap_param_gather=overlap)
+    engine = ShardEngine(model, [opt], options_for("zero1", accumulation="defer",
+                                                   tuning={"bucket_mb": 0.0002, "overlap_param_gather": overlap}))
     _train(engine, model, opt, 1)
-    pending_after_step = [b._param_work is not None for b in engine.buckets]
+    pending_after_step = [b.gather.gathering for b in engine.buckets]
     order = [e.tag for e in C.LEDGER.since(0) if e.tag.startswith("param_bucket")][-len(engine.buckets):]
     x = torch.randn(2, 9)
     first = model[0]
     seen: list[bool] = []
-    h = first.register_forward_hook(lambda *a: seen.append(engine.buckets[-1]._param_work is None))
+    h = first.register_forward_hook(lambda *a: seen.append(not engine.buckets[-1].gather.gathering))
     model(x)
     h.remove()
-    pending_after_forward = [b._param_work is not None for b in engine.buckets]
+    pending_after_forward = [b.gather.gathering for b in engine.buckets]
     engine.remove_hooks()
     return {"after_step": pending_after_step, "after_forward": pending_after_forward, "order": order,
             "first_layer_ready_in_forward": seen}
@@ -174,7 +179,7 @@ def test_param_all_gather_overlaps_next_forward(w):
 def profiled_phases() -> list[str]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer", tuning={"bucket_mb": 0.0002}))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _train(engine, model, opt, 1)
     engine.remove_hooks()
@@ -192,11 +197,9 @@ def test_engine_phases_are_profiler_labels(w):
 
 
 def stage3_labels() -> list[str]:
-    from lightning_shard.engine.settings import UnitConfig
-
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=3, units=UnitConfig())
+    engine = ShardEngine(model, [opt], options_for("zero3", accumulation="keep_unsharded_grads"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _train(engine, model, opt, 1)
     engine.remove_hooks()
@@ -213,14 +216,14 @@ def test_stage3_gathers_are_profiler_labels(w):
 def gathers_left_in_flight(profiling: bool) -> list[bool]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=2, bucket_mb=0.0002)
+    engine = ShardEngine(model, [opt], options_for("zero2", accumulation="defer", tuning={"bucket_mb": 0.0002}))
     if profiling:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             _train(engine, model, opt, 1)
-            pending = [b._param_work is not None for b in engine.buckets]
+            pending = [b.gather.gathering for b in engine.buckets]
     else:
         _train(engine, model, opt, 1)
-        pending = [b._param_work is not None for b in engine.buckets]
+        pending = [b.gather.gathering for b in engine.buckets]
     engine.remove_hooks()
     return pending
 
@@ -237,7 +240,8 @@ def full_grad_bytes_during_backward(stage: int, micro_batches: int) -> dict[str,
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])  # 8 buckets of one layer (1,088 bytes) each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=1100 / 2**20)
+    engine = ShardEngine(model, [opt], options_for(f"zero{stage}", accumulation="defer",
+                                                   tuning={"bucket_mb": 1100 / 2**20}))
     seen: list[int] = []
 
     def alive(_: torch.Tensor) -> None:  # runs after the engine's own hook for the same parameter
@@ -283,7 +287,8 @@ def world_one_fit(stage: int) -> bool:
     model, ref = _model(), _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    engine = ShardEngine(model, [opt], stage=stage, bucket_mb=0.0002)
+    policy = "keep_unsharded_grads" if stage == 3 else "defer"  # stage 3's name for deferring
+    engine = ShardEngine(model, [opt], options_for(f"zero{stage}", accumulation=policy, tuning={"bucket_mb": 0.0002}))
     assert len(engine.buckets) > 1 and not engine.gathers.overlap
     mark = C.LEDGER.mark()
     _train(engine, model, opt, 3)

@@ -1,7 +1,7 @@
-"""The all-to-all reduce-scatter on a group of two ranks (``C.exchange_pair``, ``Bucket._launch_reduce``): the other
-rank's piece arrives straight into the shard output and this rank's own piece is added to it, with no full-size pieces
-buffer. What it must give: exactly the rank-order sum that the N-piece path (``C.sum_pieces_into``) gives, at stage 1
-(reduced in place into the bucket's own range) and stage 2 (a fresh shard), in fp32 and bf16."""
+"""The all-to-all reduce-scatter on a group of two ranks (``C.exchange_pair``, comm/reduce.py ``PairExchange``): the
+other rank's piece arrives straight into the shard output and this rank's own piece is added to it, with no full-size
+pieces buffer. What it must give: exactly the rank-order sum that the N-piece path (``sum_pieces_into``) gives, at
+stage 1 (reduced in place into the bucket's own range) and stage 2 (a fresh shard), in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 from torch import nn
 
 from lightning_shard.engine.buckets.bucket import Bucket
+from lightning_shard.engine.buckets.context import BucketContext
 from lightning_shard.engine.comm import collectives as C
+from lightning_shard.engine.comm.choices import CommChoices
+from lightning_shard.engine.comm.reduce import PairExchange, sum_pieces_into
 from lightning_shard.engine.spec import ShardSpec
 from lightning_shard.engine.states import GradState
 
@@ -42,24 +45,26 @@ def reduced(stage: int, dtype: torch.dtype, numel: int) -> dict[str, torch.Tenso
     of every rank's gradient (``sum_pieces_into``, the N-piece path's local half) divided by the world size."""
     rank, world = C.get_rank(), C.get_world_size()
     p = nn.Parameter(torch.zeros(numel, dtype=dtype))
-    b = Bucket(0, [p], ["w"], 0, [0], spec=ShardSpec(stage, world), rank=rank, group=None,
-               reduce_scatter_path="all_to_all")
+    ctx = BucketContext(ShardSpec(stage, world), rank, reduce_dtype=dtype,
+                        comm=CommChoices(reduce_scatter="all_to_all"))
+    b = Bucket(ctx, 0, [p], ["w"], 0, [0])
     g = torch.Generator().manual_seed(11 + rank)
     grad = torch.randn(numel, generator=g).to(dtype)
     p.grad = grad.clone()
     b.attach_grads()
-    b.launch_reduce(dtype, async_op=True)
-    assert b._pieces is None and b._recv is not None  # the pair form ran, no full-size pieces buffer
-    in_place = b._out.data_ptr() == b.grad_buf[b.shard_start:].data_ptr()
-    b.finish_reduce(boundary=True, accumulate=False)
+    b.grads.launch(async_op=True)
+    in_flight = b.grads.in_flight
+    assert isinstance(in_flight.form, PairExchange) and in_flight.pieces is None  # no full-size pieces buffer
+    in_place = in_flight.out.data_ptr() == b.grad_buf[b.shard_start:].data_ptr()
+    b.grads.finish(boundary=True, accumulate=False)
     got = b.shard_param.grad.clone()
-    b.set_state(GradState.EMPTY)
+    b.grads.set_state(GradState.EMPTY)
     everyone = [torch.empty(b.layout.padded_numel, dtype=dtype) for _ in range(world)]
     padded = torch.zeros(b.layout.padded_numel, dtype=dtype)
     padded[:numel] = grad
     torch.distributed.all_gather(everyone, padded)
     pieces = torch.stack([e[b.shard_start:b.shard_end] for e in everyone])
-    want = C.sum_pieces_into(pieces, torch.empty(pieces.shape[1], dtype=dtype))[: b.owned_numel].div_(world)
+    want = sum_pieces_into(pieces, torch.empty(pieces.shape[1], dtype=dtype))[: b.owned_numel].div_(world)
     return {"got": got, "want": want, "in_place": torch.tensor(in_place)}
 
 

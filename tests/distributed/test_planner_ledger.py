@@ -34,6 +34,24 @@ def _cfg(stage: int, policy: str, **kw) -> StrategyConfig:
                           reduce_scatter_via="all_to_all", **kw)
 
 
+# the planner row's fields (flat in ``StrategyConfig``) that are a group's field of the strategy's options
+GROUPED = {"gather_quant": ("compression", "gather_quant"), "reduce_quant": ("compression", "reduce_quant"),
+           "quant_block": ("compression", "block"), "reshard_after_forward": ("tuning", "reshard_after_forward")}
+
+
+def _options(extra: dict) -> dict:
+    """The strategy's options for a planner row's fields (``_cfg``'s ``extra``), grouped as the strategy takes
+    them."""
+    out: dict = {}
+    for key, value in extra.items():
+        if key in GROUPED:
+            group, name = GROUPED[key]
+            out.setdefault(group, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
 def _predict(model: str, cfg: StrategyConfig, world: int, acc: int, shard_rank: int, optimizer: str = "sgd"):
     module = make_module(model, optimizer=optimizer)
     groups = groups_of(module.configure_optimizers())
@@ -91,7 +109,7 @@ POLICIES3 = ["per_micro_batch", "keep_unsharded_grads", "keep_params"]
 @pytest.mark.parametrize("name", list(STAGE3))
 def test_stage3_bytes_equal_ledger(worlds, world, acc, name, policy):
     kw = STAGE3[name]
-    results = worlds(world).run(fit_zero, 3, policy, acc, steps=STEPS, model="tiny_lm", strategy_kwargs=kw)
+    results = worlds(world).run(fit_zero, 3, policy, acc, steps=STEPS, model="tiny_lm", strategy_kwargs=_options(kw))
     cfg = _cfg(3, policy, **kw)
     _check(results, "tiny_lm", cfg, world, acc)
 
@@ -116,11 +134,12 @@ QUANT = [(1, "defer", {"reduce_quant": "int4"}), (2, "per_micro_batch", {"reduce
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage,policy,extra", QUANT, ids=[f"{s}-{p}-{'-'.join(e)}" for s, p, e in QUANT])
 def test_quantized_bytes_equal_ledger(worlds, world, stage, policy, extra):
-    """gather_quant / reduce_quant (issue 14): the planner's bytes (integers + 4 bytes of scale per block, per
-    piece) are what the ledger records, exactly, per micro-batch."""
+    """compression.gather_quant / reduce_quant (issue 14): the planner's bytes (integers + 4 bytes of scale per block,
+    per piece) are what the ledger records, exactly, per micro-batch."""
     acc = 3
     model = "zoo" if stage < 3 else "tiny_lm"
-    results = worlds(world).run(fit_zero, stage, policy, acc, steps=STEPS, model=model, strategy_kwargs=extra)
+    results = worlds(world).run(fit_zero, stage, policy, acc, steps=STEPS, model=model,
+                                strategy_kwargs=_options(extra))
     _check(results, model, _cfg(stage, policy, **extra), world, acc)
 
 
@@ -134,7 +153,7 @@ def test_secondary_shard_bytes_equal_ledger(worlds, policy, extra):
     others on the island group, as the planner says, exactly."""
     acc = 3
     results = worlds(4).run(fit_zero, 3, policy, acc, steps=STEPS, model="tiny_lm",
-                            strategy_kwargs=dict(extra, secondary_shard=2))
+                            strategy_kwargs=_options(dict(extra, secondary_shard=2)))
     _check(results, "tiny_lm", _cfg(3, policy, secondary_shard=2, **extra), 4, acc)
 
 
@@ -147,7 +166,7 @@ HYBRID_CASES = [(2, "per_micro_batch", {}), (2, "defer", {}), (3, "keep_unsharde
 def test_hybrid_bytes_equal_ledger(worlds, stage, policy, extra):
     acc = 3
     results = worlds(4).run(fit_zero, stage, policy, acc, steps=STEPS, model="tiny_lm",
-                            strategy_kwargs=dict(HYBRID, **extra))
+                            strategy_kwargs=dict(HYBRID, **_options(extra)))
     assert results[0]["axes"] == {"replicate": 2, "shard": 2}
     cfg = _cfg(stage, policy, shard_size=2, **extra)
     _check(results, "tiny_lm", cfg, 4, acc)

@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from lightning_shard.engine.buckets.bucket import Bucket
+from lightning_shard.engine.buckets.context import BucketContext
 from lightning_shard.engine.comm import collectives as C
 from lightning_shard.engine.comm import quant as Q
+from lightning_shard.engine.comm.choices import CommChoices
 from lightning_shard.engine.engine import ShardEngine
-from lightning_shard.engine.settings import UnitConfig
 from lightning_shard.engine.spec import ShardSpec
 from lightning_shard.engine.states import GradState
+from lightning_shard.options import options_for
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +31,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 5))
 
 
-def _engine(model: nn.Module, stage: int, **kw: Any) -> tuple[ShardEngine, torch.optim.Optimizer]:
+def _engine(model: nn.Module, stage: int, accumulation: str = "defer", **compression: Any
+            ) -> tuple[ShardEngine, torch.optim.Optimizer]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    units = UnitConfig(min_unit_mb=0) if stage == 3 else None
-    return ShardEngine(model, [opt], stage=stage, units=units, bucket_mb=0.004, **kw), opt
+    tuning = {"bucket_mb": 0.004, **({"min_unit_mb": 0} if stage == 3 else {})}
+    accumulation = "keep_unsharded_grads" if (stage, accumulation) == (3, "defer") else accumulation
+    options = options_for(f"zero{stage}", accumulation=accumulation, tuning=tuning, compression=compression)
+    return ShardEngine(model, [opt], options), opt
 
 
 def _micro(engine: ShardEngine, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
@@ -72,7 +77,7 @@ def _step(engine: ShardEngine, model: nn.Module, opt: torch.optim.Optimizer, s: 
 
 def ledger_of_one_step(stage: int, gather_quant: str, reduce_quant: str, acc: int) -> dict[str, Any]:
     model = _model()
-    engine, opt = _engine(model, stage, gather_quant=gather_quant, reduce_quant=reduce_quant, quant_block=64,
+    engine, opt = _engine(model, stage, gather_quant=gather_quant, reduce_quant=reduce_quant, block=64,
                           accumulation="keep_unsharded_grads" if stage == 3 else "defer")
     _step(engine, model, opt, 0, acc)  # the first step discovers the stage-3 schedule
     mark = C.LEDGER.mark()
@@ -122,25 +127,25 @@ def gathered_values(gather_quant: str) -> dict[str, Any]:
     """Inside a training forward the gathered buffer holds the dequantized shards; ``full_params()`` (export) and the
     end of training hold the exact ones."""
     model = _model()
-    engine, opt = _engine(model, 3, gather_quant=gather_quant, quant_block=64)
+    engine, opt = _engine(model, 3, gather_quant=gather_quant, block=64)
     for s in range(3):
         _step(engine, model, opt, s)
     b = next(b for b in engine.buckets if any(p is model[0].weight for p in b.params))
     exact = torch.empty(b.layout.padded_numel)
-    C.all_gather(exact, b.shard.clone(), tag="test_exact")
+    C.all_gather(exact, b.store.shard.clone(), tag="test_exact")
     seen: dict[str, torch.Tensor] = {}
 
     def capture(mod: nn.Module, args: Any) -> None:
-        seen.setdefault("fwd", b.flat_param.clone())
+        seen.setdefault("fwd", b.store.flat_param.clone())
 
     handle = model[0].register_forward_pre_hook(capture)
     _step(engine, model, opt, 3)  # the forward reads the weights `exact` holds; the step then updates them
     handle.remove()
     exact_now = torch.empty(b.layout.padded_numel)
-    C.all_gather(exact_now, b.shard.clone(), tag="test_exact")
+    C.all_gather(exact_now, b.store.shard.clone(), tag="test_exact")
     engine.controller.before_step()
     with engine.controller.full_params():
-        export = b.flat_param.clone()
+        export = b.store.flat_param.clone()
     engine.controller.release_to_module()
     after_fit = torch.cat([p.detach().reshape(-1) for p in b.params])
     engine.remove_hooks()
@@ -168,9 +173,9 @@ def error_feedback_sums(reduce_quant: str, steps: int, feedback: bool, nan_at: i
     of the true average."""
     rank, world = C.get_rank(), C.get_world_size()
     p = nn.Parameter(torch.zeros(512))
-    b = Bucket(
-        0, [p], ["w"], 0, [0], spec=ShardSpec(2, world), rank=rank, group=None, reduce_scatter_path="all_to_all",
-        reduce_quant=reduce_quant, quant_block=64, error_feedback=feedback)
+    ctx = BucketContext(ShardSpec(2, world), rank, reduce_quant=reduce_quant, quant_block=64, error_feedback=feedback,
+                        comm=CommChoices(reduce_scatter="all_to_all"))
+    b = Bucket(ctx, 0, [p], ["w"], 0, [0])
     g = torch.Generator().manual_seed(7 + rank)
     applied = torch.zeros(b.owned_numel)
     true = torch.zeros(512)
@@ -181,9 +186,9 @@ def error_feedback_sums(reduce_quant: str, steps: int, feedback: bool, nan_at: i
             grad[5] = float("nan")
         p.grad = grad.clone()  # a gradient set by hand: attach_grads takes it into the bucket's buffer
         b.attach_grads()
-        b.launch_reduce(torch.float32, async_op=True)
-        b.finish_reduce(boundary=True, accumulate=False)
-        b.set_state(GradState.EMPTY)
+        b.grads.launch(async_op=True)
+        b.grads.finish(boundary=True, accumulate=False)
+        b.grads.set_state(GradState.EMPTY)
         if step == nan_at:
             assert not bool(b.shard_param.grad.isfinite().all()) or b.own_lo > 5  # rank 0's range holds the nan
             continue  # skipped on every rank: neither applied nor counted
@@ -212,7 +217,7 @@ def test_error_feedback_keeps_the_long_run_sum_of_applied_gradients_equal_to_the
         # without feedback the small values are rounded away every step: their whole sum (~0.1 here) is lost
         small = torch.arange(r["applied"].numel()) % 64 != 0
         assert bool((r["applied"][small] == 0).all())
-        assert r["residual_bytes"] == 0  # quant_error_feedback=False keeps no residual
+        assert r["residual_bytes"] == 0  # compression.error_feedback=False keeps no residual
         assert r["true"][small].min().item() > 0.05
 
 

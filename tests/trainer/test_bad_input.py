@@ -8,25 +8,33 @@ import torch
 from torch import nn
 
 from lightning_shard.engine.engine import ShardEngine
+from lightning_shard.options import options_for
 from lightning_shard.strategies import Zero1Strategy, Zero2Strategy, ZeroStrategy
 from tests.harness import fresh_world
 
 
-def test_unknown_knob_names_the_close_match():
-    with pytest.raises(TypeError, match=r"'bucket_size'.*did you mean 'bucket_mb'"):
-        Zero2Strategy(bucket_size=10)
+def test_unknown_option_names_the_close_match():
+    with pytest.raises(TypeError, match=r"'acumulation'.*did you mean 'accumulation'"):
+        Zero2Strategy(acumulation="defer")
+    with pytest.raises(TypeError, match=r"tuning: unknown option\(s\) 'bucket_size'.*did you mean 'bucket_mb'"):
+        Zero2Strategy(tuning={"bucket_size": 10})
+
+
+def test_a_grouped_option_given_flat_names_its_group():
+    with pytest.raises(TypeError, match=r"'bucket_mb'.*tuning=\{'bucket_mb'"):
+        Zero2Strategy(bucket_mb=10)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(stage=3), "use Zero3Strategy or FSDPShardStrategy"),
     (dict(accumulation="sometimes"), "accumulation must be one of"),
     (dict(stage=1, accumulation="per_micro_batch"), "needs sharded gradients"),
-    (dict(bucket_mb=0), "bucket_mb must be a positive"),
-    (dict(reduce_dtype="int8"), "reduce_dtype must be"),
-    (dict(start_method="thread"), "start_method must be one of"),
-    (dict(timeout_s=-1), "timeout_s must be a positive"),
+    (dict(tuning={"bucket_mb": 0}), "bucket_mb must be a positive"),
+    (dict(compression={"reduce_dtype": "int8"}), "reduce_dtype must be"),
+    (dict(launch={"start_method": "thread"}), "start_method must be one of"),
+    (dict(safety={"timeout_s": -1}), "timeout_s must be a positive"),
 ])
-def test_bad_knob_values(kwargs, match):
+def test_bad_option_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ZeroStrategy(**kwargs)
 
@@ -53,20 +61,21 @@ class _Custom(torch.optim.Optimizer):
 def test_unsupported_optimizers(make, exc, match):
     model = nn.Linear(3, 3)
     with pytest.raises(exc, match=match):
-        ShardEngine(model, [make(model)], stage=2)
+        ShardEngine(model, [make(model)], options_for("zero2", accumulation="defer"))
 
 
 def test_no_trainable_parameters():
     model = nn.Linear(3, 3).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
-        ShardEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=1)
+        ShardEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], options_for("zero1", accumulation="defer"))
 
 
 def test_optimizer_over_foreign_tensor():
     model = nn.Linear(3, 3)
     stray = nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="not a parameter of the LightningModule"):
-        ShardEngine(model, [torch.optim.SGD([stray, *model.parameters()], lr=0.1)], stage=1)
+        ShardEngine(model, [torch.optim.SGD([stray, *model.parameters()], lr=0.1)],
+                    options_for("zero1", accumulation="defer"))
 
 
 class _Tiny(L.LightningModule):

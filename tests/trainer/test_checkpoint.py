@@ -68,7 +68,7 @@ def test_per_parameter_adam_steps_survive_resharding(worlds, tmp_path):
     straight = worlds(2).run(fit_ckpt, "zero3", 6, ckpt_dir=str(tmp_path), **kw)[0]
     assert len(set(straight["steps_per_param"].values())) == 2, straight["steps_per_param"]  # really different
     resumed = worlds(4).run(fit_ckpt, "zero1", 6, resume_from=str(tmp_path / "epoch=0-step=3.ckpt"),
-                            bucket_mb=25.0, **kw)
+                            tuning={"bucket_mb": 25.0}, **kw)
     for r in resumed:
         assert r["first"] == (3, 1, 0) and r["steps_per_param"] == straight["steps_per_param"]
         # Adam (lr 0.01, eps=1e-6: up to lr/eps = 1e4 x the rounding of near-zero gradients) after a 2 -> 4
@@ -232,17 +232,19 @@ def test_commit_is_atomic_at_every_step(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "x.ckpt").iterdir()) == ["data-bb", "meta.json"]
 
 
-def test_state_dict_for_callbacks_is_full_and_sharded_saves_refuse_silent_reads(worlds, tmp_path):
-    """``trainer.strategy.lightning_module_state_dict()`` (what weight-averaging and export callbacks read) is
-    the full model state, for every strategy; Lightning's own sharded save gets a placeholder that raises when a
-    hook reads it, instead of an empty dict."""
+def test_sharded_state_dict_is_a_placeholder_and_full_weights_are_explicit(worlds, tmp_path):
+    """In the sharded formats ``trainer.strategy.lightning_module_state_dict()`` (what Lightning's save puts in the
+    checkpoint dict) is a placeholder that raises when read, naming ``full_state_dict()``, instead of an empty dict
+    or a gather of every weight that the sharded files do not need; ``full_state_dict()`` and
+    ``full_optimizer_state(opt)`` give the full state on demand, for every strategy."""
     from tests.ckpt_scenarios import state_dict_seen_by_callbacks
 
     for kind in ("zero2", "zero3"):
         res = worlds(2).run(state_dict_seen_by_callbacks, kind, str(tmp_path / kind))
         for r in res:
             assert r["keys"] == r["module_keys"] and r["equal"], (kind, r["keys"][:3])
-            assert "state_dict_type='sharded'" in r["hook_error"] and "full_state_dict()" in r["hook_error"]
+            for seen in (r["placeholder_error"], r["hook_error"]):
+                assert "state_dict_type='sharded'" in seen and "full_state_dict()" in seen, seen
             assert r["optimizer_steps"] > 0  # the gathered optimizer state has real per-parameter entries
 
 

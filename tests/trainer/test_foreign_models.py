@@ -2,7 +2,7 @@
 
 ``Trainer(strategy="<registry name>")`` and nothing else; weights are compared the way a user saves them:
 rank 0's ``model.state_dict()`` after ``fit``. fp32 SGD with momentum and weight decay: max |diff| <= 1e-5
-(DESIGN.md section 6). Every tensor the reference leaves bit-identical (a frozen LoRA base, a parameter that never
+("Design rules" 8). Every tensor the reference leaves bit-identical (a frozen LoRA base, a parameter that never
 gets a gradient, an idle expert) must come out bit-identical too: a stray zero-gradient step (momentum, weight
 decay) would move it. The models are listed in ``tests/foreign.py``; ``python -m tests.parity_table`` prints the
 same matrix as a table.
@@ -15,8 +15,8 @@ import functools
 import pytest
 import torch
 
-from lightning_shard.engine.comm import collectives as C
 from lightning_shard.engine.comm import hostmem
+from lightning_shard.engine.comm.gather import BROADCAST_MIN_BYTES
 from tests.foreign import MODELS, ForeignModule, diff, fit_foreign, reference_state
 
 pytestmark = pytest.mark.slow  # the foreign-model parity matrix, ~95 s
@@ -66,11 +66,11 @@ def test_large_buckets_take_gloos_fast_paths_and_match_one_process(worlds, strat
     res = worlds(world).run(fit_foreign, name, strategy, STEPS, acc)
     check(name, res[0]["state"], reference(name, acc, world), TOL)
     plain = worlds(world).run(fit_foreign, name, strategy, STEPS, acc,
-                              strategy_kwargs={"huge_pages": False, "all_gather_via": "all_gather"})
+                              strategy_kwargs={"comm": {"huge_pages": False, "all_gather": "all_gather"}})
     for rank in range(world):
         paths = res[rank]["bucket_paths"]
         assert any(path == "broadcast" for _, path in paths), paths
-        assert all(path == ("broadcast" if nbytes >= C.BROADCAST_MIN_BYTES else "all_gather") for nbytes, path in paths)
+        assert all(path == ("broadcast" if nbytes >= BROADCAST_MIN_BYTES else "all_gather") for nbytes, path in paths)
         assert plain[rank]["gather_paths"] == ["all_gather"], plain[rank]["gather_paths"]
         assert res[rank]["advised"] + res[rank]["not_advised"] > 0  # the engine asked for every large buffer
         counts = [(r[rank]["advised"], r[rank]["not_advised"]) for r in (res, plain)]
@@ -110,7 +110,7 @@ def test_strategy_auto_matches_one_process(worlds, name):
 
 # Adam: its 1/sqrt(v) turns the rounding noise of gradients that are zero in exact arithmetic (the key bias of
 # attention: softmax ignores a constant added to every key) into steps of the size of the learning rate, so no
-# data-parallel run matches one process tightly (DESIGN.md section 6). Measured on torch_encoder: Lightning's own
+# data-parallel run matches one process tightly ("Design rules" 8). Measured on torch_encoder: Lightning's own
 # DDPStrategy is 3.7e-4 away from one process, on in_proj_bias. So the peer is Lightning DDP on the same ranks:
 # ours must match it to ADAM_TOL and be no farther from one process than it is; what one process leaves untouched
 # stays bit-identical (no Adam step for a parameter without a gradient: per-parameter step counts).

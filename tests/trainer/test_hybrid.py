@@ -63,7 +63,7 @@ def test_hybrid_gathers_as_broadcasts_inside_the_shard_group(world4, name):
     stage, policy, extra = CASES[name]
     acc = 3
     results = world4.run(fit_zero, stage, policy, acc, model="tiny_lm",
-                         strategy_kwargs=dict(HYBRID, all_gather_via="broadcast", **extra))
+                         strategy_kwargs=dict(HYBRID, comm={"all_gather": "broadcast"}, **extra))
     ref, _ = reference(acc)
     for r in results:
         assert r["gather_paths"] == ["broadcast"] and set(r["gather_calls"]) == {"broadcast"}

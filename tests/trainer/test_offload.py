@@ -98,14 +98,16 @@ def test_on_cuda_the_host_side_is_pinned_and_the_step_matches(stage):
     from torch import nn
 
     from lightning_shard.engine.engine import ShardEngine
+    from lightning_shard.options import options_for
 
     out = []
     for offload in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        engine = ShardEngine(model, [opt], stage=stage, offload_optimizer=offload,
-                             offload_params=offload and stage == 3)
+        stage3 = {"offload_params": offload} if stage == 3 else {}
+        engine = ShardEngine(model, [opt], options_for(f"zero{stage}", accumulation="keep_unsharded_grads"
+                                                       if stage == 3 else "defer", offload_optimizer=offload, **stage3))
         x = torch.randn(3, 8, device="cuda")
         for _ in range(3):
             engine.pre_backward()
@@ -118,7 +120,7 @@ def test_on_cuda_the_host_side_is_pinned_and_the_step_matches(stage):
         if offload:
             b = engine.buckets[0]
             state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() >= 1]
-            assert b.master.device.type == "cpu" and b.master.is_pinned() and b.host_grad.is_pinned()
+            assert b.store.master.device.type == "cpu" and b.store.master.is_pinned() and b.store.host_grad.is_pinned()
             assert state and all(t.device.type == "cpu" for t in state)
         state = engine.gather_full() if stage == 3 else model.state_dict()  # stage 2: the module's own
         out.append({k: v.detach().cpu() for k, v in state.items()})
@@ -176,7 +178,9 @@ def test_offload_on_cpu_parameters_says_it_saves_nothing():
     from torch import nn
 
     from lightning_shard.engine.engine import ShardEngine
+    from lightning_shard.options import options_for
 
     model = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="host memory is the device memory here, so nothing is saved"):
-        ShardEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], stage=1, offload_optimizer=True)
+        ShardEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)],
+                    options_for("zero1", accumulation="defer", offload_optimizer=True))

@@ -1,9 +1,9 @@
 """Compressed communication through ``Trainer(strategy=...)`` on models nobody on the project wrote (issue 14):
-``gather_quant`` / ``reduce_quant`` with every other knob at its default, weights compared the way a user saves them
-(rank 0's ``model.state_dict()`` after fit) against one process. Quantization is not exact, so the bound is looser
-than the exact strategies' 1e-5 (``tolerance``: measured on each model), but what one process leaves untouched (a
-frozen LoRA base, a parameter with no gradient, an idle expert) must stay bit-identical: a zero gradient quantizes
-to zero and the end of fit gathers the exact values."""
+``compression.gather_quant`` / ``reduce_quant`` with every other option at its default, weights compared the way a
+user saves them (rank 0's ``model.state_dict()`` after fit) against one process. Quantization is not exact, so the
+bound is looser than the exact strategies' 1e-5 (``tolerance``: measured on each model), but what one process leaves
+untouched (a frozen LoRA base, a parameter with no gradient, an idle expert) must stay bit-identical: a zero gradient
+quantizes to zero and the end of fit gathers the exact values."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def tolerance(knobs: dict) -> float:
     return 4e-3 if knobs.get("reduce_quant") == "int4" else 3e-4
 
 
-CASES = [
+CASES = [  # the compression group's fields
     ("zero3", {"gather_quant": "int8", "reduce_quant": "int8"}),
     ("fsdp_shard", {"gather_quant": "int8", "reduce_quant": "int8"}),
     ("zero3", {"reduce_quant": "int4"}),
@@ -41,7 +41,7 @@ CASES = [
 @pytest.mark.parametrize("name", ["torch_mha", "hf_gpt2", "hf_gpt2_lora", "unused", "routed"])
 def test_quantized_communication_stays_close_to_one_process(worlds, name, strategy, knobs):
     acc = 3
-    res = worlds(2).run(fit_foreign, name, strategy, STEPS, acc, strategy_kwargs=knobs)
+    res = worlds(2).run(fit_foreign, name, strategy, STEPS, acc, strategy_kwargs={"compression": knobs})
     state, ref = res[0]["state"], reference(name, acc, 2)
     assert diff(state, ref) > 1e-6  # the quantization happened (exact strategies land within 1e-5, mostly ~1e-7)
     check(name, state, ref, tolerance(knobs))

@@ -76,9 +76,11 @@ def test_summary_counts_progress_shows_steps_and_gathered_params_after_fit(world
         assert r["total"] == 3 and r["description"].strip() == "steps"
 
 
-def test_every_knob_is_in_the_signature_and_documented_in_the_class_docstring():
-    """``help(Zero2Strategy)`` showed only ``(**kwargs)``: every knob a class accepts is now in its signature
-    (keyword-only, with its default) and has a line of text in its docstring."""
+def test_every_option_is_in_the_signature_and_documented_in_the_class_docstring():
+    """``help(Zero2Strategy)`` showed only ``(**kwargs)``: every option a class accepts is now in its signature
+    (keyword-only, with its default) and has a line of text in its docstring; a group's fields are listed under
+    the group, indented."""
+    import dataclasses
     import inspect
 
     from lightning_shard.strategies import (
@@ -90,18 +92,25 @@ def test_every_knob_is_in_the_signature_and_documented_in_the_class_docstring():
         Zero3Strategy,
     )
 
-    lightning_args = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
     for cls in (Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy, FSDPShardStrategy, AutoStrategy):
         sig = inspect.signature(cls)
         assert not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()), cls
-        knobs = set(cls.KNOBS) - lightning_args
-        assert knobs <= set(sig.parameters), (cls, knobs - set(sig.parameters))
+        options = set(cls.OPTIONS.names())
+        assert options <= set(sig.parameters), (cls, options - set(sig.parameters))
         doc = inspect.getdoc(cls)
         lines = doc.splitlines()
-        for knob in knobs:
-            at = next((i for i, line in enumerate(lines) if line.startswith(f"{knob}=")), None)
-            assert at is not None, f"{cls.__name__}: {knob} not in the docstring"
-            assert lines[at + 1].startswith("    ") and lines[at + 1].strip(), f"{cls.__name__}.{knob}: no text"
+        entries = []  # (the entry's line prefix, its text's indent)
+        for f in dataclasses.fields(cls.OPTIONS):
+            group = f.metadata.get("group")
+            if group is None:
+                entries.append((f"{f.name}=", "    "))
+                continue
+            assert f"{f.name}={group.__name__}(...): " in doc, f"{cls.__name__}: group {f.name} not in the docstring"
+            entries += [(f"    {g.name}=", "        ") for g in dataclasses.fields(group)]
+        for prefix, indent in entries:
+            at = next((i for i, line in enumerate(lines) if line.startswith(prefix)), None)
+            assert at is not None, f"{cls.__name__}: {prefix.strip()} not in the docstring"
+            assert lines[at + 1].startswith(indent) and lines[at + 1].strip(), f"{cls.__name__}.{prefix}: no text"
         assert sig.parameters["accumulation"].default == "auto"
-        assert cls().stage == {"Zero0Strategy": 0, "Zero1Strategy": 1}.get(cls.__name__, 2 if "Zero2" in
-                                                                              cls.__name__ else 3)
+        assert cls().options.stage == {"Zero0Strategy": 0, "Zero1Strategy": 1}.get(
+            cls.__name__, 2 if "Zero2" in cls.__name__ else 3)

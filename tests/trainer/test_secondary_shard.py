@@ -72,8 +72,8 @@ def test_island_gathers_match_one_process(worlds, name, strategy):
 
 
 @pytest.mark.parametrize("knobs", [{"activation_checkpointing": "auto"}, {"accumulation": "keep_params"},
-                                   {"reshard_after_forward": False}, {"prefetch_depth": 0}])
-def test_island_gathers_with_the_other_stage3_knobs(worlds, knobs):
+                                   {"tuning": {"reshard_after_forward": False}}, {"tuning": {"prefetch_depth": 0}}])
+def test_island_gathers_with_the_other_stage3_options(worlds, knobs):
     """Recomputation in backward, parameters kept over the window, no reshard after forward, no prefetch: the
     gathers that remain still come from the island copies, and the result is still one process's."""
     res = worlds(4).run(fit_counting, "hf_gpt2", "zero3", 3, dict(knobs, secondary_shard=2))
@@ -94,7 +94,7 @@ def test_island_from_the_topology(worlds):
 def test_with_int8_gathers_the_island_copies_are_the_dequantized_values(worlds):
     """The first gather is quantized, the island gathers repeat its values: close to one process as int8 gathers
     alone are (tests/trainer/test_quant_lightning.py bounds), and nothing stays in the island copies after fit."""
-    knobs = {"secondary_shard": 2, "gather_quant": "int8"}
+    knobs = {"secondary_shard": 2, "compression": {"gather_quant": "int8"}}
     res = worlds(4).run(fit_counting, "torch_mha", "zero3", 3, knobs)
     check("torch_mha", res[0]["state"], reference("torch_mha", 3, 4), 6e-3)
     assert all(island_gathers(r) > 0 for r in res)

@@ -154,7 +154,7 @@ def test_merging_never_takes_a_unit_above_a_64th_of_the_model():
 
 
 def test_completion_order_puts_enclosing_units_after_what_they_enclose():
-    from lightning_shard.engine.zero3.unit import completion_order
+    from lightning_shard.engine.zero3.schedule import completion_order
 
     names = {0: "emb", 1: "blocks.0", 2: "blocks.0.attn", 3: "blocks.0.mlp", 4: "blocks.1", 5: "blocks.1.mlp",
              6: "head"}

@@ -138,12 +138,13 @@ def test_meta_model_without_configure_model_is_refused():
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(reshard_after_forward="sometimes"), ValueError, "reshard_after_forward must be True"),
-    (dict(prefetch_depth=-1), ValueError, "prefetch_depth must be an integer >= 0"),
+    (dict(tuning={"reshard_after_forward": "sometimes"}), ValueError, "reshard_after_forward must be True"),
+    (dict(tuning={"prefetch_depth": -1}), ValueError, "prefetch_depth must be None .* or an integer >= 0"),
     (dict(accumulation="defer"), ValueError, "accumulation must be one of"),
-    (dict(prefetch=2), TypeError, "did you mean 'prefetch_depth'"),
+    (dict(tuning={"prefetch": 2}), TypeError, "did you mean 'prefetch_depth'"),
+    (dict(prefetch_depth=2), TypeError, r"'prefetch_depth'.*tuning=\{'prefetch_depth'"),
 ])
-def test_zero3_bad_knobs(kwargs, exc, match):
+def test_zero3_bad_options(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         Zero3Strategy(**kwargs)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from tests.scenarios import fit_zero
+from tests.scenarios import fit_zero, merge_options
 from tests.zoo import max_diff, params_of, reference_fit
 
 TOL = 1e-5
@@ -16,14 +16,14 @@ POLICIES = ["per_micro_batch", "keep_unsharded_grads", "keep_params"]
 FLAVOURS = {
     "zero3": {},
     "fsdp-reshard": {"wrap_classes": "WRAP"},
-    "fsdp-keep": {"wrap_classes": "WRAP", "reshard_after_forward": False},
+    "fsdp-keep": {"wrap_classes": "WRAP", "tuning": {"reshard_after_forward": False}},
 }
 WRAP = {"zoo": ["Linear"], "tiny_lm": ["Block"]}  # the zoo has no blocks: its Linear layers are the units
 
 
-def flavour(name: str, model: str = "zoo", **extra) -> dict:
+def flavour(name: str, model: str = "zoo", **tuning) -> dict:
     kw = {k: (WRAP[model] if v == "WRAP" else v) for k, v in FLAVOURS[name].items()}
-    return dict(kw, **extra)
+    return merge_options(kw, tuning=tuning) if tuning else kw
 
 
 
@@ -82,7 +82,7 @@ def test_collective_counts(worlds, name, policy, via):
     these gloo ranks."""
     acc = 3
     both = worlds(2).run(fit_zero, 3, policy, acc, model="tiny_lm",
-                         strategy_kwargs=dict(flavour(name, "tiny_lm"), reduce_scatter_via=via))
+                         strategy_kwargs=dict(flavour(name, "tiny_lm"), comm={"reduce_scatter": via}))
     assert both[0]["per_batch"] == both[1]["per_batch"]  # every rank issues the same collectives, in order
     res = both[0]
     buffers = sum(res["unit_buckets"])
@@ -90,7 +90,7 @@ def test_collective_counts(worlds, name, policy, via):
     held = sum(n for name, n in zip(res["units"], res["unit_buckets"]) if name in res["step_units"])
     assert held >= 1, res["step_units"]
     trainable = sum(res["bucket_trainable"])
-    reshard = FLAVOURS[name].get("reshard_after_forward", True)
+    reshard = FLAVOURS[name].get("tuning", {}).get("reshard_after_forward", True)
     gathers = _per_micro_batch_ops(res, "unshard_bucket")
     reduces = _per_micro_batch_ops(res, "grad_bucket")
     for i, (g, r) in enumerate(zip(gathers, reduces)):
@@ -127,11 +127,11 @@ def test_gathered_bytes_stay_bounded(worlds, name, depth):
 def test_prefetch_issues_next_gather_before_current_unit_finishes(worlds):
     """With an artificially slow all-gather (50 ms at wait()), depth 1 issues unit i+1's gather before unit i's
     forward ends, so the latency hides behind compute; depth 0 gathers only on arrival."""
-    kw = flavour("fsdp-reshard", "tiny_lm")
+    one, none = (flavour("fsdp-reshard", "tiny_lm", prefetch_depth=depth) for depth in (1, 0))
     with_pf = worlds(2).run(fit_zero, 3, "per_micro_batch", 1, steps=2, model="tiny_lm", record_events=True,
-                            delay_gather_s=0.05, strategy_kwargs=dict(kw, prefetch_depth=1))[0]["events"]
+                            delay_gather_s=0.05, strategy_kwargs=one)[0]["events"]
     without = worlds(2).run(fit_zero, 3, "per_micro_batch", 1, steps=2, model="tiny_lm", record_events=True,
-                            delay_gather_s=0.05, strategy_kwargs=dict(kw, prefetch_depth=0))[0]["events"]
+                            delay_gather_s=0.05, strategy_kwargs=none)[0]["events"]
     # second step (the first records the forward order): block 1 (unit 2) prefetched before block 0 (unit 1) ends
     second = with_pf[len(with_pf) // 2:]
     assert ("prefetch", 2) in second

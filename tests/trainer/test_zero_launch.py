@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_shard.strategies import Zero1Strategy, Zero2Strategy
+from lightning_shard.strategies import Zero1Strategy, Zero2Strategy, Zero3Strategy
 from tests.harness import fresh_world
 
 
@@ -63,7 +63,8 @@ def test_fork_launch_hands_weights_back_to_parent():
     """The default-process parent forks 2 ranks; after fit the parent's module holds the trained weights."""
     module = _Probe()
     before = module.l.weight.detach().clone()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Zero2Strategy(start_method="fork"), max_steps=3,
+    strategy = Zero2Strategy(launch={"start_method": "fork"})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module, _data())
@@ -71,10 +72,31 @@ def test_fork_launch_hands_weights_back_to_parent():
     assert trainer.state.finished
 
 
+def _fork_fit(strategy) -> dict:
+    module = _Probe()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _data())
+    assert trainer.state.finished
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_fork_launch_hands_full_weights_back_at_stage_3():
+    """zero3 ranks hold empty parameter shards between steps; the strategy's teardown makes the module whole
+    (release_to_module), so the weights Lightning's launcher hands back to the parent are the trained ones,
+    the same as zero2's (same seed, same data)."""
+    zero2 = _fork_fit(Zero2Strategy(launch={"start_method": "fork"}))
+    zero3 = _fork_fit(Zero3Strategy(launch={"start_method": "fork"}))
+    assert zero3.keys() == zero2.keys() and not torch.equal(zero2["l.weight"], _Probe().l.weight)
+    for k in zero2:
+        torch.testing.assert_close(zero3[k], zero2[k], rtol=0, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_cuda_nccl_two_gpus():
     module = _Probe().to(torch.float32)
-    trainer = L.Trainer(accelerator="cuda", devices=2, strategy=Zero2Strategy(start_method="spawn"), max_steps=3,
+    strategy = Zero2Strategy(launch={"start_method": "spawn"})
+    trainer = L.Trainer(accelerator="cuda", devices=2, strategy=strategy, max_steps=3,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(module, _data())
     assert trainer.state.finished

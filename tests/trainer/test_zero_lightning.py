@@ -37,14 +37,14 @@ def counted_run(worlds, stage: int, policy: str, acc: int, via: str = "auto") ->
     """One run per case for both ranks' assertions."""
     if (stage, policy, acc, via) not in _RUNS:
         _RUNS[(stage, policy, acc, via)] = worlds(2).run(fit_zero, stage, policy, acc,
-                                                         strategy_kwargs={"reduce_scatter_via": via})
+                                                         strategy_kwargs={"comm": {"reduce_scatter": via}})
     return _RUNS[(stage, policy, acc, via)]
 
 
 def grad_op(stage: int, via: str) -> str:
     """The collective a gradient bucket's reduction is on these (gloo) ranks: zero0 all-reduces; zero1-3
     reduce-scatter, which ``reduce_scatter_via="auto"`` runs as an all-to-all and a sum on gloo
-    (engine/comm/collectives.py ``reduce_scatter_path``)."""
+    (engine/comm/reduce.py ``reduce_form``)."""
     if stage == 0:
         return "all_reduce"
     return {"auto": "all_to_all"}.get(via, via)
@@ -95,21 +95,21 @@ NATIVE = [(2, "defer"), (2, "per_micro_batch"), (3, "per_micro_batch"), (3, "kee
 
 
 def _gather_paths() -> list[str]:
-    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.comm.gather import BROADCAST_MIN_BYTES, all_gather_form
 
-    return [C.all_gather_path("auto", None, C.BROADCAST_MIN_BYTES - 4), C.all_gather_path("auto", None,
-            C.BROADCAST_MIN_BYTES), C.all_gather_path("auto", None), C.all_gather_path("all_gather", None, 2**30),
-            C.all_gather_path("broadcast", None, 4)]
+    return [all_gather_form(choice, None, nbytes).name for choice, nbytes in [
+        ("auto", BROADCAST_MIN_BYTES - 4), ("auto", BROADCAST_MIN_BYTES), ("auto", None), ("all_gather", 2**30),
+        ("broadcast", 4)]]
 
 
 def test_all_gather_path_by_backend_and_size(worlds):
     """On gloo ``"auto"`` takes broadcasts from 1 MiB of output up (or when the size is not given), the backend's
     all-gather below; an explicit choice holds at any size; a wrong one is refused."""
     assert worlds(2).run(_gather_paths)[0] == ["all_gather", "broadcast", "broadcast", "all_gather", "broadcast"]
-    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.engine.comm.choices import CommChoices
 
     with pytest.raises(ValueError, match="all_gather_via must be one of"):
-        C.all_gather_path("ring")
+        CommChoices(all_gather="ring")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -120,8 +120,8 @@ def test_all_gather_as_broadcasts_is_bit_identical(worlds, world, stage, policy)
     ``"auto"`` keeps gloo's all-gather here) against ``"all_gather"``: a gather copies values, so the weights after fit
     are bit-identical, on every rank; the ledger records all-gathers whose calls are N broadcasts each."""
     acc = 2
-    bc = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"all_gather_via": "broadcast"})
-    ag = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"all_gather_via": "all_gather"})
+    bc = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"comm": {"all_gather": "broadcast"}})
+    ag = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"comm": {"all_gather": "all_gather"}})
     auto = worlds(world).run(fit_zero, stage, policy, acc)
     for rank in range(world):
         assert bc[rank]["gather_paths"] == ["broadcast"] and ag[rank]["gather_paths"] == ["all_gather"]
@@ -139,7 +139,7 @@ def test_parity_every_reduce_scatter_path(worlds, world, stage, policy, via):
     against one process, as the default path (gloo: all-to-all and sum) is by every other parity test; at world 2
     every path adds the same two numbers, so their weights are bit-identical."""
     acc = 3
-    other = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"reduce_scatter_via": via})
+    other = worlds(world).run(fit_zero, stage, policy, acc, strategy_kwargs={"comm": {"reduce_scatter": via}})
     ref_state, _ = reference(acc, world)
     for rank, res in enumerate(other):
         assert res["reduce_ops"] == {via}, res["reduce_ops"]
@@ -200,7 +200,7 @@ def test_ledger_bytes_equal_formula(worlds, world, stage, via):
     "reduce_scatter"`` and the default on gloo (all-to-all and sum): the ZeRO formula (2(N-1)/N, DDP's bytes);
     ``"all_reduce"``: 3(N-1)/N, recorded as such."""
     res = worlds(world).run(fit_zero, stage, "defer", 1, bucket_mb=100.0,
-                            strategy_kwargs={"reduce_scatter_via": via})[0]
+                            strategy_kwargs={"comm": {"reduce_scatter": via}})[0]
     module = ZooModule()
     groups = module.configure_optimizers().param_groups
     assert len(groups) == 2
@@ -256,7 +256,7 @@ def test_adam_state_is_one_nth(worlds, world, stage):
 def test_optimizer_chunks_change_nothing(worlds, tmp_path, stage):
     """The optimizer stepping the shard in 26-element views gives the same result, resumes exactly, and the
     unused-parameter protection works across chunk boundaries."""
-    kw = dict(strategy_kwargs={"optim_chunk_mb": 0.0001}, optimizer="adam", data_steps=3)
+    kw = dict(strategy_kwargs={"tuning": {"optim_chunk_mb": 0.0001}}, optimizer="adam", data_steps=3)
     straight = worlds(2).run(fit_zero, stage, "defer" if stage < 3 else "keep_unsharded_grads", 3, steps=6,
                              ckpt_dir=str(tmp_path), **kw)
     assert straight[0]["optimizer_tensors"] > sum(straight[0]["bucket_trainable"])  # really chunked

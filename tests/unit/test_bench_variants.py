@@ -46,3 +46,47 @@ def test_aa_controls_run_their_peers_program(variants):
     assert type(variants.make_module(args, "fsdp2_aa")).__name__ == type(variants.make_module(args, "fsdp2")).__name__
     assert type(variants.make_module(args, "ddp_aa")).__name__ == type(variants.make_module(args, "ddp")).__name__
     assert type(variants.make_module(args, "fsdp2")).__name__ != type(variants.make_module(args, "ddp")).__name__
+
+
+def _ours(variants) -> list[tuple[str, str]]:
+    return [(suite, v) for suite in variants.SUITES for v in variants.suite_variants(suite) if v in variants.OURS]
+
+
+def _contains(changed: dict, wanted: dict) -> bool:
+    return all(_contains(changed.get(k, {}), v) if isinstance(v, dict) else changed.get(k) == v
+               for k, v in wanted.items())
+
+
+def test_every_variant_of_ours_builds_its_strategy_with_its_options(variants):
+    """Every lightning_shard variant of every suite builds (groups as mappings: ``tuning``, ``compression``), with
+    the options of its suffix and the suite's own (``tuning.bucket_mb``, ``tuning.find_unused_parameters``)."""
+    built = 0
+    for suite, v in _ours(variants):
+        args = _args(suite=suite, bucket_mb=7.0)
+        strategy = variants.make_strategy(args, v)
+        changed = strategy.options.changed()
+        base, suffix = variants.split_variant(v)
+        suffix.pop("comm", None)  # not an option: the engine's choice, set on the strategy (below)
+        assert _contains(changed, suffix), (suite, v, changed, suffix)
+        if strategy.options.stage < 3:
+            assert changed["tuning"]["bucket_mb"] == 7.0, (suite, v)
+        if base.endswith("_nomask"):
+            assert changed["tuning"]["find_unused_parameters"] is False, (suite, v)
+        built += 1
+    assert built >= 40
+
+
+def test_the_variants_of_the_comm_choices_set_the_engines_choice(variants):
+    """``_rs``, ``_ar``, ``_agc``, ``_nohuge``: how collectives run is the engine's per-backend choice, not an option;
+    the bench sets it on the strategy (``strategy.comm``), which hands it to the engine."""
+    wanted = {"_rs": ("reduce_scatter", "reduce_scatter"), "_ar": ("reduce_scatter", "all_reduce"),
+              "_agc": ("all_gather", "all_gather"), "_nohuge": ("huge_pages", False)}
+    seen = 0
+    for suite, v in _ours(variants):
+        for suffix, (field, value) in wanted.items():
+            if v.endswith(suffix) and variants.split_variant(v)[1]:
+                strategy = variants.make_strategy(_args(suite=suite), v)
+                assert getattr(strategy.comm, field) == value, (suite, v)
+                assert "comm" not in strategy.options.changed(), (suite, v)
+                seen += 1
+    assert seen >= 8

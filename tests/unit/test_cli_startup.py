@@ -1,6 +1,7 @@
-"""What the console script imports: `--help` and `topo` load neither torch nor Lightning, while the strategy
-names still register when Lightning is imported (in either order). Each check runs in a fresh interpreter:
-this test process has torch loaded already (conftest)."""
+"""The console script and the package's import: `import lightning_shard` imports the strategies (torch and
+Lightning with them) and registers the strategy names, whichever of it and Lightning is imported first; the CLI's
+subcommands work and `--help` lists them all while importing none of their modules. Each check runs in a fresh
+interpreter: this test process has imported everything already (conftest)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from lightning_shard.cli import SUBCOMMANDS
+
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "lightning", "pytorch_lightning", "lightning_shard.strategies", "lightning_shard.planner")
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def _modules_after(argv: list[str]) -> dict:
-    """Run cli.main(argv) in a fresh interpreter; its exit code, stdout, and which heavy modules got imported."""
+def _main(argv: list[str]) -> dict:
+    """Run cli.main(argv) in a fresh interpreter; its exit code, stdout, and which subcommand modules it imported."""
     code = f"""
 import contextlib, io, json, sys
 from lightning_shard.cli import main
@@ -31,7 +33,8 @@ with contextlib.redirect_stdout(out):
         rc = main({argv!r})
     except SystemExit as exit:
         rc = exit.code
-print(json.dumps({{"rc": rc, "out": out.getvalue(), "loaded": sorted(m for m in {HEAVY!r} if m in sys.modules)}}))
+print(json.dumps({{"rc": rc, "out": out.getvalue(), "loaded": sorted(m for m in {tuple(SUBCOMMANDS.values())!r}
+                                                                    if m in sys.modules)}}))
 """
     done = _python(code)
     assert done.returncode == 0, done.stderr
@@ -40,48 +43,47 @@ print(json.dumps({{"rc": rc, "out": out.getvalue(), "loaded": sorted(m for m in 
 
 @pytest.mark.parametrize("argv", [["--help"], ["topo", "--help"], ["consolidate", "--help"],
                                   ["topo", "--preset", "h100_nvl_8", "--json"]])
-def test_help_and_topo_import_no_torch(argv):
-    got = _modules_after(argv)
-    assert got["rc"] == 0 and got["loaded"] == []
-    if argv == ["--help"]:  # every subcommand listed with its summary, though no module was imported
+def test_help_and_topo(argv):
+    got = _main(argv)
+    assert got["rc"] == 0
+    if argv == ["--help"]:  # every subcommand listed with its summary, though none of their modules was imported
         for name in ("topo", "plan", "consolidate", "train"):
             assert re.search(rf"^\s+{name}\b", got["out"], re.M), name
+        assert got["loaded"] == []
+    else:  # only the module of the subcommand being run
+        assert got["loaded"] == [SUBCOMMANDS[argv[0]]]
     if argv[0] == "topo" and "--json" in argv:
         assert json.loads(got["out"])["fabric"]["pcie_gen"] == 5
 
 
-def test_plan_help_imports_no_torch():
-    got = _modules_after(["plan", "--help"])  # the planner package itself loads (its options), torch does not
-    assert got["rc"] == 0 and "--global-batch" in got["out"] and got["loaded"] == ["lightning_shard.planner"]
+def test_plan_help():
+    got = _main(["plan", "--help"])
+    assert got["rc"] == 0 and "--global-batch" in got["out"] and got["loaded"] == [SUBCOMMANDS["plan"]]
+
+
+NAMES = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_hybrid", "zero_auto")
 
 
 @pytest.mark.slow
-def test_import_package_loads_no_torch_and_strategies_still_register():
-    """`import lightning_shard` first, Lightning later: the names are registered once Lightning is imported;
-    `from lightning_shard import Zero2Strategy` still works (module __getattr__)."""
-    done = _python("""
-import sys
-import lightning_shard
-assert not [m for m in ("torch", "lightning") if m in sys.modules], "eager import"
-import lightning as L
+def test_strategies_register_whichever_is_imported_first():
+    """`import lightning_shard` first: the names are registered at once, in the Trainer's and Fabric's registries,
+    and `from lightning_shard import Zero2Strategy` is the registered class. Lightning first (the README's order):
+    the same."""
+    check = f"""
 from lightning.pytorch.strategies import StrategyRegistry
-names = [n for n in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_hybrid", "zero_auto")
-         if n in StrategyRegistry]
-from lightning_shard import Zero2Strategy
-from lightning_shard.strategies import Zero2Strategy as Z2
-print(names, Zero2Strategy is Z2, StrategyRegistry["zero2"]["strategy"] is Z2, "Zero3Strategy" in dir(lightning_shard))
-""")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == ("['zero0', 'zero1', 'zero2', 'zero3', 'fsdp_shard', 'zero2_hybrid', "
-                                           "'zero_auto'] True True True")
-    reverse = _python("""
-import lightning as L
-import lightning_shard  # the README's order
-from lightning.pytorch.strategies import StrategyRegistry
-print("zero2" in StrategyRegistry, "zero3" in StrategyRegistry)
-""")
-    assert reverse.returncode == 0, reverse.stderr
-    assert reverse.stdout.split("\n")[-2] == "True True"
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning_shard import Zero2Strategy, Zero3FabricStrategy
+print([n for n in {NAMES!r} if n in StrategyRegistry], [n for n in {NAMES[:-1]!r} if n in STRATEGY_REGISTRY],
+      StrategyRegistry["zero2"]["strategy"] is Zero2Strategy,
+      STRATEGY_REGISTRY["zero3"]["strategy"] is Zero3FabricStrategy)
+"""
+    expected = f"{list(NAMES)} {list(NAMES[:-1])} True True"
+    package_first = _python("import sys\nimport lightning_shard\nassert 'lightning' in sys.modules\n" + check)
+    assert package_first.returncode == 0, package_first.stderr
+    assert package_first.stdout.split("\n")[-2] == expected
+    lightning_first = _python("import lightning as L\nimport lightning_shard\n" + check)
+    assert lightning_first.returncode == 0, lightning_first.stderr
+    assert lightning_first.stdout.split("\n")[-2] == expected
 
 
 def test_console_script_and_module_entry():

@@ -42,7 +42,7 @@ def test_recommend_for_returns_a_registered_strategy():
     assert rec.strategy_name in ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
     assert "fastest that fits" in rec.reason and rec.table
     cls = REGISTERED[rec.strategy_name][0]
-    assert rec.kwargs["accumulation"] in cls.ACCUMULATION  # the class's own policy names
+    assert rec.kwargs["accumulation"] in cls.OPTIONS.choices("accumulation")  # the class's own policy names
     # (tests/config/test_planner_advice.py)
 
 

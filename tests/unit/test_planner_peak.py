@@ -40,8 +40,9 @@ SCRIPT = textwrap.dedent(f"""
     import torch
     import torch.nn.functional as F
     torch.set_num_threads(1)
-    from lightning_shard.engine import collectives as C
+    from lightning_shard.engine.comm import collectives as C
     from lightning_shard.engine.engine import ShardEngine
+    from lightning_shard.options import options_for
     from recipes.gpt import GPT
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{{port}}", timedelta(seconds=60))
@@ -64,7 +65,7 @@ SCRIPT = textwrap.dedent(f"""
     sampler.start()
     model = GPT(**{SHAPE!r})
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    engine = ShardEngine(model, [opt], stage=0)
+    engine = ShardEngine(model, [opt], options_for("zero0", accumulation="defer"))
     for _ in range(3):
         engine.pre_backward()
         logits = model(x[:, :-1])

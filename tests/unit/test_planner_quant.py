@@ -89,10 +89,13 @@ def test_rows_with_compression_build_the_registered_strategy(cfg):
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[cfg.registered]
-    strategy = entry["strategy"](**dict(entry["init_params"], **cfg.kwargs()))
-    for k, v in cfg.kwargs().items():
-        if k != "accumulation":
-            assert getattr(strategy, k) == v, k
+    kwargs = cfg.kwargs()
+    strategy = entry["strategy"](**dict(entry["init_params"], **kwargs))
+    assert strategy.options.changed() == kwargs  # every option the row sets reached the strategy, nothing else
+    c = strategy.options.compression
+    assert (c.gather_quant, c.reduce_quant, c.block, c.error_feedback) == (
+        cfg.gather_quant, cfg.reduce_quant, cfg.quant_block, cfg.quant_error_feedback)
+    assert getattr(strategy.options, "secondary_shard", None) == cfg.secondary_shard
 
 
 def test_planner_refuses_what_the_strategies_refuse():

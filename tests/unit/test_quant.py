@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_shard.engine.comm import quant as Q
+from lightning_shard.engine.comm.reduce import sum_quantized_pieces
+from lightning_shard.options import Compression
 
 KINDS = ("int8", "int4")
 
@@ -73,9 +75,9 @@ def test_sum_pieces_is_the_fp32_rank_order_sum_of_the_decoded_pieces_in_any_outp
     buf = torch.empty(4, q.piece_bytes, dtype=torch.uint8)
     sent = Q.quantize(torch.randn(4, 300), q, buf)
     in_rank_order = ((sent[0] + sent[1]) + sent[2]) + sent[3]
-    out = Q.sum_pieces(buf, q, torch.empty(300))
+    out = sum_quantized_pieces(buf, q, torch.empty(300))
     assert torch.equal(out, in_rank_order)
-    half = Q.sum_pieces(buf, q, torch.empty(300, dtype=torch.bfloat16))
+    half = sum_quantized_pieces(buf, q, torch.empty(300, dtype=torch.bfloat16))
     assert torch.equal(half, in_rank_order.to(torch.bfloat16))
 
 
@@ -87,17 +89,16 @@ def test_sum_pieces_is_the_fp32_rank_order_sum_of_the_decoded_pieces_in_any_outp
     ((2, "int8", "none", 256), "only stage 3 has"),
     ((0, "none", "int8", 256), "zero0 all-reduces"),
 ])
-def test_knob_rules_name_the_knob_and_the_fix(args, match):
+def test_option_rules_name_the_option_and_the_fix(args, match):
+    stage, gather, reduce, block = args
     with pytest.raises(ValueError, match=match):
-        Q.check_quant(*args)
+        Compression(gather_quant=gather, reduce_quant=reduce, block=block).validate(stage)
 
 
 def test_reduce_quant_refuses_reduce_dtype_and_a_path_that_sums_on_the_way():
     with pytest.raises(ValueError, match="set one of them"):
-        Q.check_quant(2, "none", "int8", 256, "bf16")
-    with pytest.raises(ValueError, match="integers cannot be summed on the way"):
-        Q.check_quant(3, "none", "int4", 256, None, "reduce_scatter")
-    assert Q.check_quant(1, "none", "int4", 64, None, "all_to_all") == ("none", "int4", 64)
+        Compression(reduce_quant="int8", reduce_dtype="bf16").validate(2)
+    Compression(reduce_quant="int4", block=64).validate(1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""``sum_pieces_into`` (comm/collectives.py): the local half of the all-to-all reduce-scatter sums the ranks' pieces
+"""``sum_pieces_into`` (comm/reduce.py): the local half of the all-to-all reduce-scatter sums the ranks' pieces
 in rank order, bit for bit, in place into the output it is given (a slice of a larger buffer included)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_shard.engine.comm.collectives import sum_pieces_into
+from lightning_shard.engine.comm.reduce import sum_pieces_into
 
 
 def _row_order(pieces: torch.Tensor) -> torch.Tensor:

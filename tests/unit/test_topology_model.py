@@ -47,7 +47,7 @@ def test_preset(name):
 
 
 def test_presets_compose_with_hydra():
-    """The files are a Hydra group too (DESIGN rule 6): `topology=<name>` gives the preset's keys."""
+    """The files are a Hydra group too ("Design rules" 11): `topology=<name>` gives the preset's keys."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf

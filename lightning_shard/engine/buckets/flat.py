@@ -57,6 +57,16 @@ class FlatLayout:
         start, end = self.shard_range(shard)
         return min(start, self.numel), min(end, self.numel)
 
+    def owned_slots(self, lo: int, hi: int) -> dict[int, tuple[int, int]]:
+        """``slot index -> (a, e)``: the piece of each parameter inside owned range ``[lo, hi)``, in coordinates of
+        that range (``a`` is 0 at ``lo``); parameters with no element there are left out."""
+        out = {}
+        for i, slot in enumerate(self.slots):
+            a, e = max(slot.offset, lo) - lo, min(slot.end, hi) - lo
+            if a < e:
+                out[i] = (a, e)
+        return out
+
     def slot_intersections(self, start: int, end: int) -> list[tuple[ParamSlot, int, int]]:
         """``(slot, lo, hi)`` for every parameter overlapping flat range ``[start, end)`` (flat coordinates)."""
         out = []

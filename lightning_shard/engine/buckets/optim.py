@@ -86,10 +86,11 @@ class OptimizerBinding:
         index = self.orig_index()
         state: dict[int, dict[str, Any]] = {}
         for b in self.buckets:
-            mine = b.slot_state(self.optimizer.state)
+            mine = b.optimizer_view.slot_state(self.optimizer.state)
             # which parameters have state, and the state's keys and scalars: from the owner of element 0
+            ranges = b.optimizer_view.slot_ranges
             meta = {slot: {k: (None if _is_piece(v, b, slot) else v) for k, v in st.items()}
-                    for slot, st in mine.items() if b.own_lo + b.slot_ranges[slot][0] == b.layout.slots[slot].offset}
+                    for slot, st in mine.items() if b.own_lo + ranges[slot][0] == b.layout.slots[slot].offset}
             merged: dict[int, dict[str, Any]] = {}
             for theirs in (C.all_gather_object(meta, b.group, tag="optimizer_state") if b.spec.reduce_scatters else
                            [meta]):
@@ -128,7 +129,7 @@ class OptimizerBinding:
         self.optimizer.state.clear()
         for b in self.buckets:
             states: dict[int, dict[str, Any]] = {}
-            for slot, (lo, hi) in b.slot_ranges.items():
+            for slot, (lo, hi) in b.optimizer_view.slot_ranges.items():
                 src = saved_state.get(index[id(b.params[slot])])
                 if not src:
                     continue
@@ -136,12 +137,12 @@ class OptimizerBinding:
                 a = b.own_lo + lo - sl.offset  # this rank's piece, in the parameter's flat coordinates
                 states[slot] = {k: (v.reshape(-1)[a:a + hi - lo].to(b.device) if torch.is_tensor(v) and
                                     v.numel() == sl.numel and v.dim() >= 1 else v) for k, v in src.items()}
-            b.set_slot_state(self.optimizer.state, states)
+            b.optimizer_view.set_slot_state(self.optimizer.state, states)
         self.rebind(self.buckets)  # chunks may have been split by the loaded step counts
 
 
 def _is_piece(v: Any, b: Bucket, slot: int) -> bool:
-    lo, hi = b.slot_ranges[slot]
+    lo, hi = b.optimizer_view.slot_ranges[slot]
     return torch.is_tensor(v) and v.dim() == 1 and v.numel() == hi - lo
 
 
@@ -152,7 +153,7 @@ def _owned_flat(b: Bucket, mine: dict[int, dict[str, Any]], key: str) -> torch.T
     out = torch.zeros(b.owned_numel, dtype=dtype, device=b.device)
     for slot, st in mine.items():
         if key in st and _is_piece(st[key], b, slot):
-            lo, hi = b.slot_ranges[slot]
+            lo, hi = b.optimizer_view.slot_ranges[slot]
             out[lo:hi].copy_(st[key])
     return out
 

@@ -68,7 +68,7 @@ class PostStepGathers:
         batch end) before the work completed crashed the process in ``work.wait()`` (a segfault in about 1 run in
         10 of bench/'s profiled window, torch 2.13 CPU)."""
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
-            b.launch_gather(async_op=True)
+            b.gather.launch_after_step(async_op=True)
         if self.overlap and not (self._gloo and torch.autograd._profiler_enabled()):
             self._pending += [b for b in buckets if b.spec.gathers_after_step and b.index not in self._unhooked]
             _wait([b for b in buckets if b.index in self._unhooked])
@@ -89,11 +89,11 @@ class PostStepGathers:
 
     def _in_flight(self, t: torch.Tensor) -> Optional[Bucket]:
         b = self._bucket_of.get(id(t))
-        return b if b is not None and b.gathering else None
+        return b if b is not None and b.gather.gathering else None
 
     def _read_in_flight(self, bucket: Bucket, t: torch.Tensor, func: Any) -> None:
         self._unhooked.add(bucket.index)
-        bucket.wait_param_gather()
+        bucket.gather.wait_after_step()
 
     def wait_all(self) -> None:
         pending, self._pending = self._pending, []
@@ -102,4 +102,4 @@ class PostStepGathers:
 
 def _wait(buckets: list[Bucket]) -> None:
     for b in buckets:
-        b.wait_param_gather()
+        b.gather.wait_after_step()

@@ -10,34 +10,21 @@ collectives in the same sequence; whatever is left is launched when autograd is 
 
 from __future__ import annotations
 
-import enum
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-import torch
-
-from ..states import AccumulationPolicy, GradState
+from ..states import AccumulationPolicy, GradState, SyncState
 from .bucket import Bucket
 
 IN_FLIGHT = 2  # ZeRO-2: gradient reductions outstanding during backward (the earliest is waited for and freed)
 
 
-class SyncState(enum.Enum):
-    """The backward in progress (from ``begin`` to ``end``), or none."""
-
-    IDLE = "idle"  # no backward in progress
-    LOCAL = "local"  # a no_sync backward under "defer": gradients stay in the full buffers, nothing moves
-    MICRO_BATCH = "micro_batch"  # a no_sync backward under "per_micro_batch": reduce-scatter into accumulators
-    BOUNDARY = "boundary"  # the backward that ends an accumulation window: every bucket is reduced and published
-
-
 class GradSync:
-    def __init__(self, buckets: list[Bucket], policy: AccumulationPolicy, overlap: bool,
-                 reduce_dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, buckets: list[Bucket], policy: AccumulationPolicy, overlap: bool) -> None:
         self.buckets = buckets  # the trainable buckets, in launch order
         self.active = buckets  # those the backward in progress may give gradients to (begin)
         self._active_ids = {id(b) for b in buckets}
-        self.policy, self.overlap, self.reduce_dtype = policy, overlap, reduce_dtype
+        self.policy, self.overlap = policy, overlap
         self.require_sync = True  # the next backward ends a window (False inside no_sync)
         self.state = SyncState.IDLE
         self._next_launch = 0
@@ -67,10 +54,10 @@ class GradSync:
         self.active = self.buckets if active is None else active
         self._active_ids = {id(b) for b in self.active}
         for b in self.active:
-            if b.state is GradState.REDUCED:
-                b.reopen()
+            if b.grads.state is GradState.REDUCED:
+                b.grads.reopen()
             else:
-                b.take_in_zero_grad()
+                b.grads.take_in_zero_grad()
         if self.require_sync:
             self.state = SyncState.BOUNDARY
         else:
@@ -82,14 +69,14 @@ class GradSync:
 
     def bucket_ready(self, bucket: Bucket) -> None:
         """A bucket may have all of its gradients for this backward: launch the reductions that are due."""
-        if self.communicating and self.overlap and bucket.pending == 0:
+        if self.communicating and self.overlap and bucket.grads.pending == 0:
             self._launch_in_order(force=False)
 
     def reduce_rest(self) -> None:
         """Autograd is done: launch what is left and wait for every reduction of this backward."""
         if not self.communicating:
             for b in self.active:
-                b.hold()
+                b.grads.hold()
             return
         self._launch_in_order(force=True)
         self._finish_up_to(len(self.active))
@@ -101,17 +88,17 @@ class GradSync:
         """Before a step: reduce, synchronously, the buckets whose gradients no boundary backward published."""
         accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
         for b in buckets:
-            b.take_in_zero_grad()
-            if b.state in (GradState.EMPTY, GradState.ACCUMULATING):
-                b.launch_reduce(self.reduce_dtype_for(b), async_op=False)
-                b.finish_reduce(True, accumulate)
+            b.grads.take_in_zero_grad()
+            if b.grads.state in (GradState.EMPTY, GradState.ACCUMULATING):
+                b.grads.launch(async_op=False)
+                b.grads.finish(True, accumulate)
 
     def _launch_in_order(self, force: bool) -> None:
         while self._next_launch < len(self.active):
             b = self.active[self._next_launch]
-            if not force and b.pending > 0:
+            if not force and b.grads.pending > 0:
                 return
-            b.launch_reduce(self.reduce_dtype_for(b), async_op=True)
+            b.grads.launch(async_op=True)
             self._next_launch += 1
             if not force and b.spec.frees_grads and not b.spec.shards_params:
                 # ZeRO-2: at most IN_FLIGHT reductions outstanding; an earlier bucket's full gradients are freed as
@@ -124,10 +111,5 @@ class GradSync:
         """Wait for the reductions of buckets ``[_next_finish, end)``, in bucket order, and fold them in."""
         accumulate = self.policy is AccumulationPolicy.PER_MICRO_BATCH
         while self._next_finish < end:
-            self.active[self._next_finish].finish_reduce(self.boundary, accumulate)
+            self.active[self._next_finish].grads.finish(self.boundary, accumulate)
             self._next_finish += 1
-
-    def reduce_dtype_for(self, b: Bucket) -> torch.dtype:
-        if self.reduce_dtype is not None:
-            return self.reduce_dtype
-        return torch.float32 if b.dtype in (torch.float16, torch.bfloat16) else b.dtype

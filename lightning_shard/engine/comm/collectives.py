@@ -38,6 +38,7 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "all_gather",
+    "all_gather_by_broadcasts",
     "all_gather_object",
     "all_reduce",
     "all_to_all",
@@ -81,7 +82,7 @@ class LedgerEntry:
     tag: str  # free text from the caller, e.g. "grad_bucket3"
     dtype: str
     in_backward: bool = False  # issued while autograd ran (overlapped with backward: a gradient hook's collective)
-    via: str = ""  # built from other calls: "broadcast" (an all-gather as N broadcasts, ``all_gather_via``)
+    via: str = ""  # built from other calls: "broadcast" (an all-gather as N broadcasts, comm/gather.py)
 
     @property
     def calls(self) -> list[str]:
@@ -199,79 +200,6 @@ def get_rank(group: Group = None) -> int:
 def backend(group: Group = None) -> str:
     """The process group's backend ("gloo", "nccl", ...); "" without a process group."""
     return str(dist.get_backend(group)) if is_initialized() else ""
-
-
-REDUCE_SCATTER_VIA = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def reduce_scatter_path(choice: str, group: Group = None) -> str:
-    """The collective the engine's gradient reduce-scatters on ``group`` run as:
-
-    * ``"reduce_scatter"``: the backend's own; ``"auto"`` everywhere but gloo (NCCL's is the fast one);
-    * ``"all_to_all"``: an all-to-all of the bucket (rank j receives every rank's j-th 1/N) and the sum of the N
-      pieces; ``"auto"`` on gloo, where it is 1.7-7x faster than gloo's reduce-scatter and 1.3-10x faster than an
-      all-reduce of the bucket (but 0.95x at 256 KiB on 2 ranks), at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch
-      2.13 (``bench/bench_collectives.py``, ``bench/results/collectives.md``), and moves the reduce-scatter's
-      (N-1)/N of the bucket per rank; it costs a second full-size buffer (the pieces) while the reduction is in
-      flight, except on a group of 2 ranks, where the other rank's piece arrives straight into the shard and this
-      rank's own piece is added to it (:func:`exchange_pair`);
-    * ``"all_reduce"``: an in-place all-reduce of the bucket, each rank keeping its range (twice the bytes; the
-      default on gloo before the all-to-all form was measured).
-
-    The sums are the same up to the order of floating-point additions; the ledger records the collective that
-    runs and its bytes."""
-    if choice not in REDUCE_SCATTER_VIA:
-        raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got {choice!r}")
-    if choice == "auto":
-        return "all_to_all" if backend(group) == "gloo" else "reduce_scatter"
-    return choice
-
-
-def sum_pieces_into(pieces: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = the sum of the rows of ``pieces`` (N x n: rank j's piece in row j), added in row order, the same on
-    every rank: the local half of the all-to-all reduce-scatter.
-
-    Row by row (``out = p0 + p1``, then ``out += p2`` ...) rather than ``torch.sum(pieces, dim=0)``: on CPU, torch
-    2.13, one thread, the adds were 2.2-2.8x faster for 2 rows of 0.75-12 MiB float32, 0.97-7.2x (median 2.1x) over
-    2-8 rows, 10x for 2 rows of bfloat16 (``bench/bench_sum.py``, ``bench/results/sum_pieces.md``), and they are the
-    row-order sum bit for bit. Two rows of any dtype (one rounding either way) and float32/float64 are added so; more
-    rows of a 16-bit dtype keep ``torch.sum``, which accumulates in float32 and rounds once."""
-    rows = pieces.shape[0]
-    if rows == 1:
-        return out.copy_(pieces[0])
-    if rows > 2 and pieces.dtype not in (torch.float32, torch.float64):
-        return torch.sum(pieces, dim=0, out=out)
-    torch.add(pieces[0], pieces[1], out=out)
-    for j in range(2, rows):
-        out.add_(pieces[j])
-    return out
-
-
-ALL_GATHER_VIA = ("auto", "all_gather", "broadcast")
-BROADCAST_MIN_BYTES = 2**20  # ``"auto"`` on gloo: smaller all-gathers stay the backend's own
-
-
-def all_gather_path(choice: str, group: Group = None, nbytes: Optional[int] = None) -> str:
-    """How a parameter all-gather runs (the ``all_gather_via`` knob):
-
-    * ``"all_gather"``: the backend's all-gather;
-    * ``"broadcast"``: N broadcasts on the group, rank j's from its own slot of the output, all launched before any
-      is waited: every rank sends its slot to the N-1 others and receives theirs, the all-gather's (N-1)/N of the
-      output per rank, in place (no buffer). ``"auto"`` on gloo for an output of :data:`BROADCAST_MIN_BYTES` (1 MiB)
-      or more (``nbytes``; None: any size): 1.4-4.2x faster than gloo's all-gather at 4-88 MiB on 2 ranks in two
-      runs, 1.05-3.3x at 25-88 MiB on 4, with 24-81% of its CPU time at 25-88 MiB; at 1 MiB and below, and at 1-4 MiB
-      on 4 ranks, the runs disagree (0.45-4.1x) (``bench/bench_collectives.py``,
-      ``bench/results/collectives_gather.md`` and ``collectives_gather_run1.md``). ``"all_gather"`` on every other
-      backend (NCCL) and below the size.
-
-    The ledger records an all-gather either way (its bytes and wire bytes), marked ``via="broadcast"``: its
-    :attr:`LedgerEntry.calls` are the N broadcasts that run."""
-    if choice not in ALL_GATHER_VIA:
-        raise ValueError(f"all_gather_via must be one of {ALL_GATHER_VIA}, got {choice!r}")
-    if choice == "auto":
-        large = nbytes is None or nbytes >= BROADCAST_MIN_BYTES
-        return "broadcast" if backend(group) == "gloo" and large else "all_gather"
-    return choice
 
 
 class Works:
@@ -426,15 +354,21 @@ def exchange_pair(output: torch.Tensor, input: torch.Tensor, group: Group = None
                                   async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False, tag: str = "",
-               via: str = "all_gather"):
-    """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe. ``via``:
-    :func:`all_gather_path`'s choice (``"broadcast"``: N broadcasts, one from each rank's slot of ``output``;
-    ``input`` is copied into this rank's slot first unless it is that slot)."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False, tag: str = ""):
+    """Concatenate every rank's ``input`` slice into ``output`` (the full padded buffer); in-place safe."""
+    LEDGER.record("all_gather", group, output, tag)
+    return _ag_impl(output, input, group=group, async_op=async_op)
+
+
+def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False,
+                             tag: str = ""):
+    """:func:`all_gather` as N broadcasts, one from each rank's slot of ``output``, all launched before any is waited
+    (``input`` is copied into this rank's slot first unless it is that slot): comm/gather.py's
+    ``BroadcastAllGather``. Recorded as the all-gather it is, ``via="broadcast"``; a group of one rank runs the
+    plain all-gather."""
     world = get_world_size(group)
-    if via != "broadcast" or world == 1:
-        LEDGER.record("all_gather", group, output, tag)
-        return _ag_impl(output, input, group=group, async_op=async_op)
+    if world == 1:
+        return all_gather(output, input, group=group, async_op=async_op, tag=tag)
     if output.numel() != world * input.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, {world} x input's {input.numel()} "
                          "expected")

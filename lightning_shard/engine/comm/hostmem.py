@@ -12,7 +12,8 @@ buckets are allocated once); advised, 12.9k (``bench/results/speed_hugepages.md`
 :func:`advise` asks the kernel (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned interior of the buffer) to back
 it with 2 MiB pages. It does nothing (returns False) off Linux, where transparent huge pages are ``never``, on
 non-CPU tensors (CUDA has its caching allocator) and below :data:`MIN_BYTES`. The values are untouched: this is
-about how the memory is mapped, never what it holds. Knob: ``huge_pages`` (strategies/config.py).
+about how the memory is mapped, never what it holds. The engine's choice: ``CommChoices.huge_pages`` (comm/choices.py;
+on by default, a no-op where it cannot help).
 """
 
 from __future__ import annotations

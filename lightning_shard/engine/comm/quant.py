@@ -9,9 +9,10 @@ the real payload::
     piece_bytes = nblocks * block * bits / 8 + 4 * nblocks,    nblocks = ceil(numel / block)
 
 A dequantized element differs from its input by at most half a step, ``absmax(block) / (2 * levels)``; a block holding
-an inf or a nan dequantizes to nan everywhere (the non-finite checks downstream still see it). The engine's buckets
-use this for the stage-3 parameter all-gather (:meth:`Bucket.unshard`) and for the gradient reduce-scatter as an
-all-to-all of quantized pieces summed in fp32 on arrival, with error feedback (:meth:`Bucket._launch_reduce`).
+an inf or a nan dequantizes to nan everywhere (the non-finite checks downstream still see it). The engine uses this
+for the stage-3 parameter all-gather (buckets/gather.py ``ParamGather.unshard``) and for the gradient reduce-scatter
+as an all-to-all of quantized pieces summed in fp32 on arrival, with error feedback (comm/reduce.py
+``QuantizedAllToAll``).
 """
 
 from __future__ import annotations
@@ -20,47 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import sum_pieces_into
-
-GATHER_QUANT = ("none", "int8")
-REDUCE_QUANT = ("none", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 LEVELS = {8: 127, 4: 7}
-DEFAULT_BLOCK = 256  # elements per scale: 4 bytes of scale per 256 bytes of int8 (1.6%), per 128 bytes of int4 (3.1%)
 
 
 def check_block(block: object) -> int:
     if isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8:
         raise ValueError(f"quant_block must be an integer >= 8 and a multiple of 8 (elements per scale), got {block!r}")
     return block
-
-
-def check_quant(stage: int, gather_quant: str, reduce_quant: str, block: object, reduce_dtype: object = None,
-                reduce_scatter_via: str = "auto") -> tuple[str, str, int]:
-    """Validate the compressed-communication knobs against the stage and the other reduction knobs."""
-    if gather_quant not in GATHER_QUANT:
-        raise ValueError(f"gather_quant must be one of {GATHER_QUANT}, got {gather_quant!r}")
-    if reduce_quant not in REDUCE_QUANT:
-        raise ValueError(f"reduce_quant must be one of {REDUCE_QUANT}, got {reduce_quant!r}")
-    check_block(block)
-    if gather_quant != "none" and stage != 3:
-        raise ValueError(f"gather_quant={gather_quant!r} quantizes the parameter all-gathers of forward and backward, "
-                         f"which only stage 3 has (zero3, fsdp_shard); zero{stage} keeps full parameters on every "
-                         "rank (its post-step all-gather would leave quantized weights in the replicas and in what "
-                         "you save): drop gather_quant or use zero3/fsdp_shard")
-    if reduce_quant != "none":
-        if stage == 0:
-            raise ValueError(f"reduce_quant={reduce_quant!r} quantizes the gradient reduce-scatter (zero1-3, "
-                             "fsdp_shard); zero0 all-reduces: use zero1 (the same memory for gradients, the same "
-                             "bytes) with reduce_quant")
-        if reduce_dtype is not None:
-            raise ValueError(f"reduce_quant={reduce_quant!r} and reduce_dtype={reduce_dtype!r} both choose how "
-                             "gradients travel: set one of them")
-        if reduce_scatter_via not in ("auto", "all_to_all"):
-            raise ValueError(f"reduce_quant={reduce_quant!r} sends quantized pieces in an all-to-all (integers cannot "
-                             f"be summed on the way): reduce_scatter_via={reduce_scatter_via!r} cannot apply; leave "
-                             "it 'auto'")
-    return gather_quant, reduce_quant, int(block)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -150,14 +118,4 @@ def dequantize(buf: torch.Tensor, q: QuantLayout, out: torch.Tensor) -> torch.Te
     return out
 
 
-def sum_pieces(buf: torch.Tensor, q: QuantLayout, out: torch.Tensor) -> torch.Tensor:
-    """The sum over pieces (in piece order, the same on every rank) of the dequantized ``buf``, in fp32, written into
-    ``out`` (``numel``, any float dtype)."""
-    vals = dequantize(buf, q, torch.empty(buf.shape[0], q.numel, dtype=torch.float32, device=buf.device))
-    if out.dtype == torch.float32:
-        return sum_pieces_into(vals, out)
-    return out.copy_(sum_pieces_into(vals, torch.empty(q.numel, dtype=torch.float32, device=buf.device)))
-
-
-__all__ = ["BITS", "DEFAULT_BLOCK", "GATHER_QUANT", "LEVELS", "QuantLayout", "REDUCE_QUANT", "check_block",
-           "check_quant", "dequantize", "piece_bytes", "quantize", "sum_pieces"]
+__all__ = ["BITS", "LEVELS", "QuantLayout", "check_block", "dequantize", "piece_bytes", "quantize"]

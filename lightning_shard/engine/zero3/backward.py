@@ -1,45 +1,103 @@
-"""Backward of the parameter-sharding controller: the reversed schedule, gathering units ahead of their
-gradients, zero contributions from units that did not run on this rank, and freeing a unit once its gradients
-and its inputs' gradients are computed."""
+"""The backward schedule: each unit gathered again before its gradients are computed, the next ``prefetch_depth``
+units of the reversed schedule issued ahead, zero contributions from units that did not run on this rank, and a
+unit freed once its gradients and its inputs' gradients are computed.
+
+Entered from autograd: the multi-grad hooks :mod:`.forward` puts on each unit's outputs call :meth:`pre_backward`
+(with the first pass's guard looking away), the engine's gradient hooks call :meth:`on_grads_ready`, and activation
+checkpointing's recomputation calls :meth:`recompute` from the unit's forward pre-hook."""
 
 from __future__ import annotations
 
-from ..comm import collectives as C
-from ..states import ParamState
-from .unit import Unit
+from ..buckets.sync import GradSync
+from ..states import AccumulationPolicy, ParamState
+from .discovery import Discovery
+from .schedule import Schedule
+from .unit import Gathers, Unit
 
 
 class BackwardSchedule:
-    """Part of :class:`~.param_shard.ParamShardController` (its state and gather/free methods)."""
+    def __init__(self, schedule: Schedule, gathers: Gathers, discovery: Discovery, sync: GradSync,
+                 prefetch_depth: int) -> None:
+        self.schedule, self.gathers, self.discovery, self.sync = schedule, gathers, discovery, sync
+        self.prefetch_depth = prefetch_depth
+        self.cursor = 0  # backward schedule positions [0, cursor) have had their gather issued in this backward
+        self.idle: list[Unit] = []  # gathered for the schedule, no gradient will come on this rank
 
-    def begin_backward(self) -> None:
-        self.end_pass()  # manual optimization: backward inside training_step
-        self._bcur = 0
-        for u in self.step_units:
+    def keeps(self) -> bool:
+        """``keep_params`` keeps parameters (and full gradients) gathered until the window's boundary."""
+        return self.sync.policy is AccumulationPolicy.KEEP_PARAMS and not self.sync.boundary
+
+    def begin(self) -> None:
+        """A backward starts: the schedule from its first position; the step's units, gathered, expect gradients."""
+        self.cursor = 0
+        for u in self.schedule.step_units:
             if u.state is ParamState.UNSHARDED:
-                self._prepare_backward(u)
+                self._prepare(u)
 
-    def _advance_backward_to(self, unit: Unit) -> None:
+    # ------------------------------------------------------------------ gathering ahead
+    def _advance_to(self, unit: Unit) -> None:
         """Issue the backward schedule up to ``unit`` (and the prefetch after it), in schedule order."""
-        q = self._bpos.get(unit.index)
+        q = self.schedule.bpos.get(unit.index)
         if q is None:
             return
-        if q >= self._bcur:
-            for k in range(self._bcur, q):
-                self._catch_up_backward(self.units[self.bwd_order[k]])
-            self._issue(unit, "gather")
-            self._bcur = q + 1
-        self._prefetch_backward(q)
+        if q >= self.cursor:
+            for k in range(self.cursor, q):
+                self._catch_up(self.schedule.units[self.schedule.bwd_order[k]])
+            self.gathers.issue(unit, "gather")
+            self.cursor = q + 1
+        self._prefetch(q)
 
-    def _prefetch_backward(self, q: int) -> None:
+    def _prefetch(self, q: int) -> None:
         """Keep ``prefetch_depth`` units of the backward schedule issued ahead of position ``q`` (-1: backward
         starts). A prefetched unit moves the window too: each unit after the first is gathered behind the backward
         of the ones before it, not only every (prefetch_depth + 1)-th."""
-        for k in range(self._bcur, min(len(self.bwd_order), q + 1 + self.prefetch_depth)):
-            self._catch_up_backward(self.units[self.bwd_order[k]])
-            self._bcur = k + 1
+        order = self.schedule.bwd_order
+        for k in range(self.cursor, min(len(order), q + 1 + self.prefetch_depth)):
+            self._catch_up(self.schedule.units[order[k]])
+            self.cursor = k + 1
 
-    def _recompute(self, unit: Unit) -> None:
+    def _catch_up(self, unit: Unit) -> None:
+        self.gathers.issue(unit)
+        if not unit.ran and not unit.backward_prepared:
+            self.idle.append(unit)  # no gradient will come here; the gather is for the ranks that ran it
+
+    def _settle_idle(self) -> None:
+        idle, self.idle = self.idle, []
+        for u in idle:
+            for x in u.group:
+                x.wait()
+                for b in x.trainable:
+                    if b.pending and self.sync.is_active(b):
+                        b.attach_grads()
+                        b.pending = 0
+                        self.sync.bucket_ready(b)
+            if not self.keeps():
+                self.gathers.free(u)
+
+    # ------------------------------------------------------------------ entered from autograd
+    def pre_backward(self, unit: Unit) -> None:
+        """The first gradient reached ``unit``'s outputs: gather it (and those ahead of it) for its backward."""
+        step_unit = unit in self.schedule.step_units
+        if step_unit:
+            # the loss's gradient reaches the step's root unit first: the first units of the schedule are gathered
+            # behind the backward of what runs before them (the loss, an LM head in the root unit), as every later
+            # unit is behind the one before it. Issued here, inside autograd, not in begin: the ledger counts them
+            # as the backward's gathers
+            self._prefetch(-1)
+        if unit.backward_prepared:
+            return
+        self._settle_idle()
+        if step_unit:  # every rank's loss reaches the step's root unit first
+            self.gathers.materialize(unit)
+        elif unit.host is not None or unit.index not in self.schedule.bpos:
+            self.discovery.unplanned(unit, "it got a backward it did not get in the first step", backward=True)
+        else:
+            self._advance_to(unit)
+            self.gathers.materialize(unit)
+        self._prepare(unit)
+        self._settle_idle()
+
+    def recompute(self, unit: Unit) -> None:
         """Activation checkpointing runs ``unit``'s forward again inside backward (a module of a checkpointed block;
         the block's own hooks stay outside the checkpoint). Its weights are needed now, so it is gathered in the
         order of the backward schedule, at most once per backward: a unit whose backward came first (fsdp_shard's
@@ -50,57 +108,17 @@ class BackwardSchedule:
         first backward like any unit that turned out to need one, so later steps prefetch it in order."""
         while unit.host is not None:  # gathered with the unit whose code uses it
             unit = unit.host
-        if unit in self.step_units:
-            self._materialize(unit)
-        elif unit.index not in self._bpos:
-            self._unplanned(unit, "a checkpointed block recomputed it in backward", backward=True)
+        if unit in self.schedule.step_units:
+            self.gathers.materialize(unit)
+        elif unit.index not in self.schedule.bpos:
+            self.discovery.unplanned(unit, "a checkpointed block recomputed it in backward", backward=True)
         else:
-            self._advance_backward_to(unit)
-            self._materialize(unit)
+            self._advance_to(unit)
+            self.gathers.materialize(unit)
 
-    def _catch_up_backward(self, unit: Unit) -> None:
-        self._issue(unit)
-        if not unit.ran and not unit.backward_prepared:
-            self._idle.append(unit)  # no gradient will come here; the gather is for the ranks that ran it
-
-    def _settle_idle(self) -> None:
-        idle, self._idle = self._idle, []
-        for u in idle:
-            for x in u.group:
-                x.wait()
-                for b in x.trainable:
-                    if b.pending and self.sync.is_active(b):
-                        b.attach_grads()
-                        b.pending = 0
-                        self.sync.bucket_ready(b)
-            if not self._keep_after_backward():
-                self._free(u)
-
-    def _pre_backward(self, unit: Unit) -> None:
-        if unit in self.step_units:
-            # the loss's gradient reaches the step's root unit first: the first units of the schedule are gathered
-            # behind the backward of what runs before them (the loss, an LM head in the root unit), as every later
-            # unit is behind the one before it. Issued here, inside autograd, not in begin_backward: the ledger
-            # counts them as the backward's gathers
-            with self._quiet():
-                self._prefetch_backward(-1)
-        if unit.backward_prepared:
-            return
-        with self._quiet():
-            self._settle_idle()
-            if unit in self.step_units:  # every rank's loss reaches the step's root unit first
-                self._materialize(unit)
-            elif unit.host is not None or unit.index not in self._bpos:
-                self._unplanned(unit, "it got a backward it did not get in the first step", backward=True)
-            else:
-                self._advance_backward_to(unit)
-                self._materialize(unit)
-            self._prepare_backward(unit)
-            self._settle_idle()
-
-    def _prepare_backward(self, unit: Unit) -> None:
+    def _prepare(self, unit: Unit) -> None:
         unit.backward_prepared = True
-        self._materialize(unit)
+        self.gathers.materialize(unit)
         for u in unit.group:
             u.backward_prepared = True
             for b in u.trainable:
@@ -110,39 +128,35 @@ class BackwardSchedule:
                     b.attach_grads()
 
     def on_grads_ready(self, unit: Unit) -> None:
-        """All of ``unit``'s gradients are accumulated for this backward."""
-        self._maybe_free_after_backward(unit.host or unit)
+        """All of ``unit``'s gradients are accumulated for this backward (the engine's gradient hook)."""
+        self.maybe_free(unit.host or unit)
 
-    def _maybe_free_after_backward(self, unit: Unit) -> None:
-        if unit in self.step_units or not unit.backward_prepared or self._keep_after_backward():
+    def maybe_free(self, unit: Unit) -> None:
+        """Free ``unit`` once every gradient of its group is in and its inputs' gradients are computed."""
+        if unit in self.schedule.step_units or not unit.backward_prepared or self.keeps():
             return
         if unit.input_waits == 0 and all(u.pending == 0 for u in unit.group):
-            self._free(unit)
+            self.gathers.free(unit)
 
-    def close_backward_schedule(self) -> None:
+    # ------------------------------------------------------------------ the end of backward
+    def close(self) -> None:
         """Autograd is done: gather what the backward schedule has left (other ranks may have needed it), with
         zero gradients here, before the engine launches its last reductions."""
-        for k in range(self._bcur, len(self.bwd_order)):
-            u = self.units[self.bwd_order[k]]
-            self._issue(u, "participate")
+        order = self.schedule.bwd_order
+        for k in range(self.cursor, len(order)):
+            u = self.schedule.units[order[k]]
+            self.gathers.issue(u, "participate")
             if not u.backward_prepared:
-                self._idle.append(u)
-        self._bcur = len(self.bwd_order)
+                self.idle.append(u)
+        self.cursor = len(order)
         self._settle_idle()
 
-    def end_backward(self) -> None:
-        if self._discover_backward:  # the first backward: units outside the schedule that needed one join it
-            self._discover_backward = False
-            extra = sorted(self._backward_extra)
-            everyone = C.all_gather_object(extra, tag="unit_discovery") if C.get_world_size() > 1 else [extra]
-            self._backward_plan = {ui for e in everyone for ui in e if self.units[ui].host is None
-                                   and self.units[ui] not in self.step_units}
-            self._backward_extra.clear()
-            self._set_schedule(self.fwd_order)
-        keep = self._keep_after_backward()
-        for u in self.units:
+    def end(self, keep: list[Unit]) -> None:
+        """The backward is over: free every unit but ``keep`` (unless ``keep_params`` holds them all)."""
+        keep_all = self.keeps()
+        for u in self.schedule.units:
             u.backward_prepared = False
             if u.state is ParamState.GATHERING:  # prefetched but never used in this backward
                 u.wait()
-            if not keep and not (self.in_step and u in self.step_units):  # (the step goes on: its code needs them)
+            if not keep_all and u not in keep:
                 u.reshard()

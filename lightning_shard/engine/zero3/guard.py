@@ -1,16 +1,17 @@
 """Run-time detection of sharded parameters used where their unit is not gathered (first step only).
 
-The unit plan (:mod:`.units`, with the bytecode scan of :mod:`.reads`) puts a parameter in the unit of the
+The unit plan (:mod:`.plan`, with the bytecode scan of :mod:`.reads`) puts a parameter in the unit of the
 module whose code uses it. Code the scan cannot see — ``self.layers[0].weight``, a module handed to a helper
 that reads its weight, a LightningModule's ``training_step`` computing logits with ``self.embed.weight`` —
 would hand an empty placeholder to an op and fail with a shape error far from the cause.
 
 During the first forward pass of each kind (with and without gradients), the controller runs the step under
-:class:`ShardedUseGuard`, a ``TorchFunctionMode`` that looks at the tensor arguments of every torch call. When
-one is a parameter whose unit is sharded, it asks the controller to gather that unit right there and records
-which unit's code used it; at the end of the pass the ranks agree on these findings and the unit is gathered
-with its user from then on (``Unit.host``). Property reads that are valid on a placeholder (``.dtype``,
-``.device``, ``.requires_grad`` ...) are not uses. After the first pass the guard is off (no per-op cost).
+:class:`ShardedUseGuard` (installed by :class:`~.discovery.Discovery`), a ``TorchFunctionMode`` that looks at the
+tensor arguments of every torch call. When one is a parameter whose unit is sharded, it asks the controller to
+gather that unit right there and records which unit's code used it; at the end of the pass the ranks agree on these
+findings and the unit is gathered with its user from then on (``Unit.host``). Property reads that are valid on a
+placeholder (``.dtype``, ``.device``, ``.requires_grad`` ...) are not uses. After the first pass the guard is off
+(no per-op cost).
 """
 
 from __future__ import annotations

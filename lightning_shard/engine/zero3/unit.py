@@ -1,24 +1,15 @@
-"""A ZeRO-3/FSDP unit at run time (its buckets, who it is gathered with), one forward pass's progress through
-the gather schedule, and merging the forward orders ranks recorded into one schedule."""
+"""A ZeRO-3/FSDP unit at run time (:class:`Unit`: its buckets, who it is gathered with, its progress in a pass) and
+the three things done to one together with the units gathered with it (:class:`Gathers`: issue, materialize, free).
+Which modules are units is decided before, at set-up (:mod:`.plan`); in what order they are gathered, by
+:mod:`.schedule`."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Optional
 
-from ..buckets.bucket import Bucket
-from ..states import ParamState
-from .guard import ShardedUseGuard
+from ..buckets.bucket import Bucket, Gauge
+from ..states import ControllerState, ParamState
 from .plan import UnitSpec
-
-
-class ControllerState(enum.Enum):
-    """What the parameter-sharding controller does with the units."""
-
-    TRAINING = "training"  # hooks gather and free units along the schedule
-    FULL_PARAMS = "full_params"  # inside full_params(): every unit gathered, hooks idle (generation, export)
-    RELEASED = "released"  # after release_to_module(): the module owns full parameters for good, hooks removed
 
 
 class Unit:
@@ -31,8 +22,6 @@ class Unit:
         self.ran = False  # its forward ran with gradients in the current pass, on this rank
         self.input_waits = 0  # input-gradient hooks of this pass still to fire
         self.resident = False  # run more than once per pass (found in the first step): gathered until the pass ends
-        for b in buckets:
-            b.unit = self
 
     @property
     def group(self) -> list["Unit"]:
@@ -41,7 +30,7 @@ class Unit:
 
     @property
     def state(self) -> ParamState:
-        return self.buckets[0].param_state
+        return self.buckets[0].gather.param_state
 
     @property
     def pending(self) -> int:
@@ -53,63 +42,57 @@ class Unit:
 
     def unshard(self, async_op: bool, exact: bool = False) -> None:
         for b in self.buckets:
-            b.unshard(async_op, exact)
+            b.gather.unshard(async_op, exact)
 
     def wait(self) -> None:
         for b in self.buckets:
-            b.wait_unshard()
+            b.gather.wait_unshard()
 
     def reshard(self) -> None:
         for b in self.buckets:
-            b.reshard()
+            b.gather.reshard()
 
 
-@dataclass
-class _Pass:
-    """One forward pass (a training/validation step's forward) and where its gathers have got to."""
+class Gathers:
+    """Gathers and frees a unit together with the units gathered with it (``Unit.group``): every gather and free of
+    the schedule goes through it (``full_params`` and the end of fit gather every unit directly). It also holds what
+    the parts of :class:`~.controller.ParamShardController` share: the controller's state (``ControllerState``: the
+    hooks act only while ``TRAINING``), one :class:`~..buckets.bucket.Gauge` of gathered bytes for every bucket, and,
+    when ``record_events`` is set (tests), each gather, wait and end of forward in the order it happened."""
 
-    grad: bool
-    cursor: int = 0  # schedule positions [0, cursor) have had their gather issued in this pass
-    # issued by catch-up or prefetch, forward not run yet -> the module at whose forward's end it is freed once a
-    # later unit has run (None: not passed yet). That module encloses both, so out-of-order calls inside it
-    # (a layer norm registered after the block it precedes) still find the unit gathered.
-    waiting: dict[Unit, Optional[str]] = field(default_factory=dict)
-    extra: list[Unit] = field(default_factory=list)  # gathered because the guard saw them used
-    guard: Optional[ShardedUseGuard] = None
+    def __init__(self, units: list[Unit]) -> None:
+        self.state = ControllerState.TRAINING
+        self.gauge = Gauge()
+        for u in units:
+            for b in u.buckets:
+                b.gauge = self.gauge
+        self.events: list[tuple[str, int]] = []  # ("gather"|"prefetch"|"ready"|..., unit index)
+        self.record_events = False
 
+    def event(self, what: str, unit: Unit) -> None:
+        if self.record_events:
+            self.events.append((what, unit.index))
 
-def _enclosing(a: str, b: str) -> str:
-    """The innermost module enclosing modules ``a`` and ``b`` (FQNs; "" is the LightningModule)."""
-    common = []
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        common.append(x)
-    return ".".join(common)
+    def issue(self, unit: Unit, what: str = "prefetch") -> None:
+        """Launch the all-gathers of ``unit``'s group that are not launched yet; they run while the caller goes on."""
+        for u in unit.group:
+            if u.state is ParamState.SHARDED:
+                self.event(what, u)
+                u.unshard(async_op=True)
 
+    def materialize(self, unit: Unit) -> None:
+        """``unit``'s group usable on return: gathered now where nothing was launched, waited where it was."""
+        for u in unit.group:
+            if u.state is ParamState.SHARDED:
+                self.event("gather", u)
+                u.unshard(async_op=False)
+            if u.state is ParamState.GATHERING:
+                u.wait()
+                self.event("ready", u)
 
-def completion_order(order: list[int], names: dict[int, str]) -> list[int]:
-    """The order in which units' forwards *end*, from the order they start (``order``) and module nesting: a unit
-    whose module encloses the next one's (by FQN) is still running when it starts, and ends after it. Backward
-    meets the units in the reverse of this order. (A module called outside its parent's forward breaks the
-    assumption; the cost is a unit gathered earlier in backward than needed, never a wrong gather.)"""
-    done: list[int] = []
-    running: list[int] = []
-    for u in order:
-        while running and not names[u].startswith(names[running[-1]] + "."):
-            done.append(running.pop())
-        running.append(u)
-    return done + running[::-1]
-
-
-def merge_orders(orders: list[list[int]], plan: list[int]) -> list[int]:
-    """One schedule from the forward orders ranks recorded: rank 0's, with what others saw inserted after their
-    predecessor, and units nobody ran after their predecessor in the plan (registration order)."""
-    merged: list[int] = []
-    for order in [*orders, plan]:
-        for i, u in enumerate(order):
-            if u in merged:
-                continue
-            prev = next((order[j] for j in range(i - 1, -1, -1) if order[j] in merged), None)
-            merged.insert(0 if prev is None else merged.index(prev) + 1, u)
-    return merged
+    def free(self, unit: Unit) -> None:
+        """Back to shards; a gather still in flight is waited first (a bucket frees only gathered parameters)."""
+        for u in unit.group:
+            if u.state is ParamState.GATHERING:
+                u.wait()
+            u.reshard()
