@@ -70,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--perf", nargs="*", default=[], metavar="KEY=VALUE",
                    help="override the memory/speed model or schedule, e.g. n_layer=16 batch_size=4 rounds=1")
     p.add_argument("--perturb", action="append", default=[], metavar="RUN=DELTA",
-                   help="test hook (tests/trainer/test_gpu_check.py): add DELTA to one weight of the run whose id "
+                   help="test hook (tests/bench/test_gpu_check.py): add DELTA to one weight of the run whose id "
                         "matches RUN (fnmatch), e.g. 'parity/small_tf/32-true/zero2=1e-3'")
     p.add_argument("--worker", choices=PHASES, help=argparse.SUPPRESS)  # one phase, in its own process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # the worker's, epoch seconds

@@ -177,7 +177,7 @@ def _num(x: Any) -> str:
 
 # ============================================================================================ the test hook
 def perturbation(args: argparse.Namespace, run_id: str) -> float:
-    """``--perturb PATTERN=DELTA`` (test hook, used only by tests/trainer/test_gpu_check.py): the DELTA to add to one
+    """``--perturb PATTERN=DELTA`` (test hook, used only by tests/bench/test_gpu_check.py): the DELTA to add to one
     weight of the strategy run whose id matches PATTERN (fnmatch); 0.0 for every other run."""
     for item in args.perturb or ():
         pattern, _, delta = item.partition("=")

@@ -91,7 +91,7 @@ def world2_md(sec: dict[str, Any], cpu: bool) -> list[str]:
     nccl = sec.get("nccl_same_device")
     if nccl:
         lines += ["", f"NCCL, two ranks on cuda:0: **{nccl.get('outcome')}** {nccl.get('detail', '')}".rstrip()]
-    lines += ["", "The engine (`ShardEngine` driven directly, as tests/distributed/test_engine_dist.py does) at world "
+    lines += ["", "The engine (`ShardEngine` driven directly, as tests/engine/test_engine_dist.py does) at world "
               "2 (then zero2 and zero3 on each other `reduce_scatter_via` path), 4 optimizer steps x 2 micro-batches, "
               "SGD momentum, against one process on the same device training on the global batch (bound 1e-5):", "",
               "| case | result | max diff | collectives issued (rank 0) |", "| --- | --- | ---: | --- |"]

@@ -6,7 +6,7 @@ some collectives (it stages them through host memory). So, on the one H200 (``--
 1. NCCL with two ranks on cuda:0 is tried and what happens is recorded (gpu_probes.py ``nccl_same_device``).
 2. Two processes (torch.multiprocessing, spawn), gloo, both on cuda:0, probe every ``torch.distributed`` call the engine
    makes (gpu_probes.py ``probes``): a call that runs and returns wrong values is a failed check, a refusal is recorded.
-3. In the same process group, ``ShardEngine`` driven directly (as tests/distributed/test_engine_dist.py does) for
+3. In the same process group, ``ShardEngine`` driven directly (as tests/engine/test_engine_dist.py does) for
    stages 0-3, per-micro-batch accumulation, FSDP-style units (default options), then zero2 and zero3 on every other
    ``reduce_scatter_via`` path the engine offers whose call the backend runs here: 4 optimizer steps x 2
    micro-batches of the small Transformer LM (gpu_models.py: tied head, odd vocabulary), SGD with momentum; rank 0's

@@ -151,7 +151,7 @@ def wire_per_step(args: argparse.Namespace, variant: str, trainer: Any, entries:
     world, n = trainer.world_size, args.steps
     ring = (world - 1) / world
     if variant in OURS:
-        from lightning_shard.engine.comm.collectives import Ledger
+        from lightning_shard.engine.comm.ledger import Ledger
 
         summary = {f"{op}/{grp}": v for (op, grp), v in Ledger.summarize(entries).items()}
         wire = sum(e.wire_bytes for e in entries) / n

@@ -21,7 +21,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 
 try:
-    from lightning_shard.engine.comm.collectives import LEDGER, Ledger
+    from lightning_shard.engine.comm.collectives import LEDGER
+    from lightning_shard.engine.comm.ledger import Ledger
 except ImportError:  # the core is optional for this callback
     LEDGER, Ledger = None, None
 

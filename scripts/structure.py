@@ -16,8 +16,9 @@ c. the keyword parameters of ``inspect.signature(lightning_shard.strategies.Zero
 d. the walks, measured on a world of 2 gloo processes (rank 0 traced with ``sys.setprofile``): the package files
    entered, in order, by (i) one zero2 gradient: from the gradient hook of the parameter that completes a bucket in
    a boundary backward until that bucket's ``finish_reduce`` (``BucketGrads.finish`` after the refactor) has set the
-   optimizer's shard gradient (the second step of an accumulation of 2), and (ii) one zero3 gather: from the forward pre-hook of the second unit (in the
-   second step) until it returns with the unit's parameters usable. A file is *entered* by a call event of code in a
+   optimizer's shard gradient (the second step of an accumulation of 2), and (ii) one zero3 gather: from the
+   forward pre-hook of the second unit (in the second step) until it returns with the unit's parameters usable.
+   A file is *entered* by a call event of code in a
    package file other than the file of the previous package call event; calls outside the package are skipped.
 """
 
@@ -308,7 +309,7 @@ def _find_engine() -> Any:
 
 
 def _test_constructions(stage: int) -> list[tuple[str, dict[str, Any]]]:
-    """The engine constructions of tests/distributed/test_engine_dist.py for ``stage`` (source, namespace)."""
+    """The engine constructions of tests/engine/test_engine_dist.py for ``stage`` (source, namespace)."""
     path = Path.cwd() / "tests" / "distributed" / "test_engine_dist.py"
     if not path.exists():
         return []
@@ -398,7 +399,7 @@ def _build(stage: int, model: Any, opt: Any) -> tuple[Any, str, list[str]]:
         ns = dict(ns, model=model, opt=opt)
         try:
             engine = eval(src, ns)  # noqa: S307 - a construction of the package's own tests
-            return engine, f"{src} (tests/distributed/test_engine_dist.py)", errors
+            return engine, f"{src} (tests/engine/test_engine_dist.py)", errors
         except Exception as e:  # noqa: BLE001
             errors.append(f"{src}: {type(e).__name__}: {e}")
     raise RuntimeError("could not construct the engine: " + " | ".join(errors))

@@ -1,4 +1,4 @@
-"""Worker-side scenarios for tests/trainer/test_activation_checkpointing.py: a fit of a model from
+"""Worker-side scenarios for tests/strategies/test_activation_checkpointing.py: a fit of a model from
 ``tests/foreign.py`` under a registered strategy with default knobs plus ``activation_checkpointing``, counting per
 micro-batch the parameter all-gathers the stage-3 controller issued (ledger tags ``unshard_bucket*``, split into
 forward and backward by ``in_backward``) and the forward calls of one module inside a block."""

@@ -1,4 +1,4 @@
-"""Jobs that end right after their last collective, for the clean-exit tests (tests/trainer/test_exit.py).
+"""Jobs that end right after their last collective, for the clean-exit tests (tests/strategies/test_exit.py).
 
     python tests/exit_job.py raw GUARD RANK PORT    one rank of a 2-rank gloo job without Lightning; GUARD: on | off
     python tests/exit_job.py fit STRATEGY           a 2-rank Lightning fit (popen launcher), then the interpreter exits

@@ -1,5 +1,5 @@
 """Peak memory per rank measured outside the engine, one fresh process per rank and strategy (for
-tests/trainer/test_memory_peak.py)::
+tests/strategies/test_memory_peak.py)::
 
     MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536 python -m tests.memory_peak_job OUT.json zero0 zero3
 

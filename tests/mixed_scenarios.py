@@ -1,4 +1,4 @@
-"""Scenarios for the mixed-precision policy ``param_dtype`` (tests/trainer/test_param_dtype.py).
+"""Scenarios for the mixed-precision policy ``param_dtype`` (tests/strategies/test_param_dtype.py).
 
 The references are written without the engine:
 

@@ -4,7 +4,7 @@ Trains every pattern of :mod:`tests.patterns` under Lightning's ``ddp`` and unde
 (2 gloo ranks) and zero3_hybrid (4 ranks as 2 islands x 2), every knob at its default, and prints the max |diff| of
 rank 0's ``model.state_dict()`` after ``fit`` against ``ddp``'s, or the error a run ended with; then the GAN's
 collectives per step from the independent torch.distributed counter beside the ledger's. What
-tests/trainer/test_patterns.py asserts, as one Markdown table.
+tests/strategies/test_patterns.py asserts, as one Markdown table.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The sharding engine: the wiring of one ZeRO stage (0-3) around a module and its optimizers.
-
-What a stage means for a bucket is :class:`.spec.ShardSpec`; the rest lives in one file per concern, and the
-engine calls them in the order of a training step:
-
-* set-up: desync checks (:mod:`.health`), parameter owners and bucket plan (:mod:`.plan`, :mod:`.build`),
-  stage 3 units (:mod:`.units`) and their gather/free controller (:mod:`.param_shard`);
-* backward: gradient hooks adopt gradients into the buckets, the sync controller (:mod:`.sync`) decides what
-  this backward communicates and launches the reductions in bucket order;
-* step: unused parameters left out (one mask all-reduce), the optimizer steps on shard chunks (:mod:`.optim`),
-  updated parameters are all-gathered (:mod:`.param_gather`), buffers broadcast;
-* utilities: norm, clipping and fp16 unscaling (:mod:`.grads`), full weights by name (:mod:`.state_dict`),
-  sharded checkpoint pieces (:mod:`.engine_ckpt`), the memory report.
+"""The sharding engine: the wiring of one ZeRO stage (0-3) around a module and its optimizers, calling the rooms in
+the order of a training step: set-up (:mod:`.health`, :mod:`.buckets.plan`, :mod:`.build`, stage 3's
+:mod:`.zero3`), backward (gradient hooks into :mod:`.buckets`, :mod:`.buckets.sync` launching the reductions),
+step (:func:`.buckets.optim.leave_out_unused`, the optimizer on shard chunks, :mod:`.buckets.param_gather`),
+and the utilities (:mod:`.norms`, :mod:`.state_dict`, :mod:`.memory`). What a stage means: :class:`.spec.ShardSpec`.
 """
 
 from __future__ import annotations
@@ -24,10 +16,10 @@ import torch
 from torch import nn
 
 from ..options import ZeroOptions
-from . import grads, health, mixed, state_dict
+from . import health, memory, mixed, norms, state_dict
 from .buckets.bucket import Bucket
 from .buckets.context import BucketContext
-from .buckets.optim import OptimizerBinding, optimizer_state_bytes, validate_optimizer
+from .buckets.optim import OptimizerBinding, leave_out_unused, validate_optimizer
 from .buckets.param_gather import PostStepGathers
 from .buckets.plan import Owner, param_owners
 from .buckets.sync import GradSync
@@ -300,36 +292,11 @@ class ShardEngine:
 
     @phase
     def _leave_out_unused(self, optimizer: torch.optim.Optimizer) -> None:
-        """Parameters that got no gradient on any rank in this window are left out of the step, exactly as torch
-        leaves a parameter whose ``.grad`` is None (no momentum, weight decay or Adam step). Costs one all-reduce
-        of one byte per parameter per optimizer step (``find_unused_parameters=True``, the default).
-
-        With ``find_unused_parameters=False`` the mask is not exchanged: every parameter steps, one without a
-        gradient with zeros (as DDP's ``find_unused_parameters=False`` would, had it not raised); a parameter that
-        got no gradient on this rank is named once in a warning."""
-        buckets = self.binding_for(optimizer).buckets
-        if not buckets:
-            return
-        mask = torch.cat([b.used for b in buckets]).to(self.buckets[0].device)
-        if not self.options.tuning.find_unused_parameters:
-            for b in buckets:
-                for i in range(len(b.params)):
-                    if not b.used[i] and b.names[i] not in self._warned_unused:
-                        self._warned_unused.add(b.names[i])
-                        warnings.warn(f"rank {C.get_rank()}: parameter {b.names[i]} got no gradient in this window; "
-                                      "with find_unused_parameters=False it steps with a zero gradient (momentum and "
-                                      "weight decay still move it). Leave find_unused_parameters at True (default) "
-                                      "for the result of one process.", stacklevel=3)
-            return
-        if self.total_world > 1:
-            C.all_reduce(mask, op="max", group=None, tag="used_mask")
-        unused = (mask == 0).tolist()
-        off, split = 0, False
-        for b in buckets:
-            split |= b.leave_out([i for i in range(len(b.params)) if unused[off + i]], optimizer.state)
-            off += len(b.params)
-        if split:  # parameters now treated apart got chunks of their own: the optimizer must see them
-            self.binding_for(optimizer).rebind(self.buckets)
+        """Parameters no rank gave a gradient in this window step as torch steps a ``.grad`` of None: not at all
+        (:func:`.buckets.optim.leave_out_unused`)."""
+        binding, find_unused = self.binding_for(optimizer), self.options.tuning.find_unused_parameters
+        if leave_out_unused(binding, find_unused, self.total_world, self._warned_unused):
+            binding.rebind(self.buckets)  # parameters treated apart got chunks of their own: the optimizer sees them
 
     @phase
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -369,7 +336,7 @@ class ShardEngine:
     def grad_norm(self, optimizer: torch.optim.Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over owned shard elements only (no padding, no replicas), one all-reduce."""
         self.final_grads(optimizer)
-        return grads.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.groups.shard,
+        return norms.grad_norm(self._shard_grads(optimizer), self.buckets[0].device, self.groups.shard,
                                self.spec.reduce_scatters and self.spec.world > 1, norm_type)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
@@ -378,16 +345,16 @@ class ShardEngine:
         already has it from :meth:`grad_norm` (saves its all-reduce)."""
         total = self.grad_norm(optimizer, norm_type) if total is None else total
         self.last_grad_norm = float(total)
-        grads.scale_to_norm(self._shard_grads(optimizer), total, max_norm)
+        norms.scale_to_norm(self._shard_grads(optimizer), total, max_norm)
         return total
 
     def clip_grad_value_(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
         self.final_grads(optimizer)
-        grads.clamp_values(self._shard_grads(optimizer), clip_value)
+        norms.clamp_values(self._shard_grads(optimizer), clip_value)
 
     def unscale_and_check(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
         """Multiply shard grads by ``inv_scale``; return True when any rank saw inf/nan (agreed on all ranks)."""
-        return grads.unscale(self._shard_grads(optimizer), inv_scale, self.buckets[0].device, self.total_world)
+        return norms.unscale(self._shard_grads(optimizer), inv_scale, self.buckets[0].device, self.total_world)
 
     # ------------------------------------------------------------------ full weights (state_dict.py)
     def gather_full(self) -> dict[str, torch.Tensor]:
@@ -403,26 +370,8 @@ class ShardEngine:
     # ------------------------------------------------------------------ accounting and teardown
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state held by this rank, measured from the tensors."""
-        rep = {"params": 0, "gathered_params": 0, "grads": 0, "master": 0, "accumulators": 0, "optimizer_state": 0,
-               "error_feedback": 0, "secondary_params": 0, "on_host": 0}
-        # error_feedback: ``reduce_quant``'s residuals; secondary_params: ``secondary_shard``'s island copies
-        bucketed = set()
-        for b in self.buckets:
-            for k, v in b.tensor_bytes().items():
-                rep[k] += v
-            bucketed.update(id(p) for p in b.params)
-        for p in self.module.parameters():
-            if id(p) not in bucketed:
-                rep["params"] += p.numel() * p.element_size()
-                if p.grad is not None:
-                    rep["grads"] += p.grad.numel() * p.grad.element_size()
-        rep["optimizer_state"] = sum(optimizer_state_bytes(b.optimizer) for b in self.bindings)
-        if self.options.offload_optimizer:  # the optimizer state was created beside the host masters
-            rep["on_host"] += rep["optimizer_state"]
-        rep["padding_elements"] = sum(b.layout.padding for b in self.buckets) if self.spec.reduce_scatters else 0
-        # ``on_host``: how much of the total lives in host memory (offload); a part of the total, not added to it
-        rep["total"] = sum(v for k, v in rep.items() if k not in ("padding_elements", "on_host"))
-        return rep
+        return memory.memory_report(self.module, self.buckets, self.bindings, self.options.offload_optimizer,
+                                    self.spec.reduce_scatters)
 
     def restore_source_dtype(self) -> None:
         """End of training with ``param_dtype``: the module's parameters become the full fp32 masters again, so

@@ -4,7 +4,7 @@
 choices and rules are the options', ``lightning_shard/options.py``), plus how the backend runs its reduce-scatter
 (``reduce_scatter_via``: a property of the machine planned for, not an option). ``kwargs()`` gives what
 ``Trainer(strategy=Registered(**kwargs))`` takes, groups as mappings; ``options()`` the validated options
-themselves. tests/config/test_planner_advice.py builds every planned row with the real classes.
+themselves. tests/planner/test_planner_advice.py builds every planned row with the real classes.
 """
 
 from __future__ import annotations

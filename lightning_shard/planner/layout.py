@@ -1,7 +1,7 @@
 """The engine's flat-buffer layout, predicted without building an engine (no collectives, no copies).
 
 The bucketing rules are the engine's own (:mod:`lightning_shard.engine.buckets.plan`, units from
-:func:`..engine.zero3.plan.plan_units`, flat layouts from :func:`lightning_shard.engine.buckets.flat.build_layout`);
+:func:`..engine.zero3.plan.plan_units`, flat layouts from :func:`lightning_shard.engine.buckets.flat.flat_layout`);
 this module only adds the sizes the planner needs: stage 0 keeps one "shard" (no padding), stages 1-3 pad
 every bucket to a multiple of the shard group size. Parameters may live on the meta device.
 """
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..engine.buckets.flat import build_layout
+from ..engine.buckets.flat import flat_layout
 from ..engine.buckets.plan import OptimizerGroups, bucketed_trainable, flat_buckets, param_owners, unit_buckets
 from ..engine.zero3.plan import plan_units
 from ..options import MIN_UNIT_MB, Tuning
@@ -114,7 +114,7 @@ def plan_layout(module: nn.Module, groups: Optional[OptimizerGroups], stage: int
 
     def make(index: int, params: list[nn.Parameter], opt_index: Optional[int], unit: Optional[int],
              num_shards: int) -> PlannedBucket:
-        layout = build_layout([("", tuple(p.shape)) for p in params], num_shards)
+        layout = flat_layout([("", tuple(p.shape)) for p in params], num_shards)
         return PlannedBucket(index, layout.numel, layout.padded_numel, num_shards, dtype_of(params[0]),
                              opt_index is not None, opt_index, len(params), unit)
 

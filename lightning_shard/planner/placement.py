@@ -1,7 +1,7 @@
 """Where a job's ranks run on a topology, and the ring each process group runs on.
 
 Rank order is the one ``topology.groups`` uses: islands contiguous (each in its fastest ring order), node
-major; shard groups are consecutive ranks, replicate groups strided (``strategies/layout.py``). A ring runs
+major; shard groups are consecutive ranks, replicate groups strided (``strategies/process_groups.py``). A ring runs
 at its slowest hop (nccl-tests PERFORMANCE.md, "busbw"; "Design rules" 4), so each group is described by
 its bottleneck bandwidth (``Topology.ring``), the latency of its slowest hop, and the class of link that
 bottleneck is: intra-island (inside an NVLink/NVSwitch island), inter-island (PCIe/SMP on one node),

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..engine.comm.collectives import Ledger, ring_wire_bytes
+from ..engine.comm.ledger import Ledger, ring_wire_bytes
 from ..engine.comm.quant import piece_bytes
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout

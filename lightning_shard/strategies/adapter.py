@@ -21,7 +21,7 @@ from ..engine.engine import ShardEngine
 from ..options import ZeroOptions
 from ..topology.model import Topology
 from ..topology.resolve import resolve
-from .layout import check_job_placement, make_groups
+from .process_groups import check_job_placement, make_groups
 
 
 class EngineAdapter:

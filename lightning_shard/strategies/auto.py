@@ -3,7 +3,7 @@
 At setup the planner (``lightning_shard.planner``) scores every strategy, accumulation policy and hybrid
 layout for this model on this machine's topology and world size, and builds the row that
 ``lightning-shard plan`` marks recommended for the same inputs (``recommend()``, then ``apply()``; checked by
-tests/config/test_planner_advice.py); the table is logged once on rank 0 with the reason and the runner-up.
+tests/planner/test_planner_advice.py); the table is logged once on rank 0 with the reason and the runner-up.
 
 The planned row's options replace the strategy's (:func:`lightning_shard.options.convert`: the user's options carry
 over, the row's choices win), so from then on ``self.options`` is the strategy it runs as, one source of truth;

@@ -77,7 +77,7 @@ class FlatLayout:
         return out
 
 
-def build_layout(named_shapes: list[tuple[str, tuple[int, ...]]], num_shards: int) -> FlatLayout:
+def flat_layout(named_shapes: list[tuple[str, tuple[int, ...]]], num_shards: int) -> FlatLayout:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     slots, offset = [], 0

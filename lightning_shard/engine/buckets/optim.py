@@ -14,6 +14,7 @@ by a sharded run loads into an unsharded optimizer and the other way round.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -139,6 +140,39 @@ class OptimizerBinding:
                                     v.numel() == sl.numel and v.dim() >= 1 else v) for k, v in src.items()}
             b.optimizer_view.set_slot_state(self.optimizer.state, states)
         self.rebind(self.buckets)  # chunks may have been split by the loaded step counts
+
+
+def leave_out_unused(binding: "OptimizerBinding", find_unused: bool, total_world: int, warned: set[str]) -> bool:
+    """Parameters that got no gradient on any rank in this window are left out of the step, exactly as torch
+    leaves a parameter whose ``.grad`` is None (no momentum, weight decay or Adam step). Costs one all-reduce of one
+    byte per parameter per optimizer step (``find_unused_parameters=True``, the default). True when chunks were split
+    (the optimizer must be rebound).
+
+    With ``find_unused_parameters=False`` the mask is not exchanged: every parameter steps, one without a gradient
+    with zeros (as DDP's ``find_unused_parameters=False`` would, had it not raised); a parameter that got no
+    gradient on this rank is named once in a warning (``warned``: the names already named)."""
+    buckets = binding.buckets
+    if not buckets:
+        return False
+    mask = torch.cat([b.used for b in buckets]).to(buckets[0].device)
+    if not find_unused:
+        for b in buckets:
+            for i in range(len(b.params)):
+                if not b.used[i] and b.names[i] not in warned:
+                    warned.add(b.names[i])
+                    warnings.warn(f"rank {C.get_rank()}: parameter {b.names[i]} got no gradient in this window; "
+                                  "with find_unused_parameters=False it steps with a zero gradient (momentum and "
+                                  "weight decay still move it). Leave find_unused_parameters at True (default) "
+                                  "for the result of one process.", stacklevel=4)
+        return False
+    if total_world > 1:
+        C.all_reduce(mask, op="max", group=None, tag="used_mask")
+    unused = (mask == 0).tolist()
+    off, split = 0, False
+    for b in buckets:
+        split |= b.leave_out([i for i in range(len(b.params)) if unused[off + i]], binding.optimizer.state)
+        off += len(b.params)
+    return split
 
 
 def _is_piece(v: Any, b: Bucket, slot: int) -> bool:

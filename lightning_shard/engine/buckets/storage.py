@@ -17,7 +17,7 @@ from torch import nn
 
 from ..comm import hostmem
 from .context import BucketContext
-from .flat import build_layout, flatten_into, slot_views
+from .flat import flat_layout, flatten_into, slot_views
 
 
 def host_buffer(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -39,7 +39,7 @@ class BucketStorage:
         # the buffers allocated every step (full gradients, reduction pieces and shards, gathered units) are advised
         # as transparent huge pages on CPU (engine/comm/hostmem.py): fewer page faults, the same values
         self.huge_pages = ctx.comm.huge_pages
-        self.layout = build_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
+        self.layout = flat_layout([(n, tuple(p.shape)) for n, p in zip(names, params)], spec.num_shards)
         shard = 0 if spec.num_shards == 1 else ctx.rank
         self.shard_start, self.shard_end = self.layout.shard_range(shard)  # this rank's padded range
         self.own_lo, self.own_hi = self.layout.owned_range(shard)  # the real (non-padding) elements of it

@@ -13,7 +13,7 @@ import pytest
 
 from lightning_shard.engine.comm import collectives as C
 from tests.foreign import fit_foreign
-from tests.trainer.test_foreign_models import STEPS, TOL, check, reference
+from tests.strategies.test_foreign_models import STEPS, TOL, check, reference
 
 
 class StepMarks(L.Callback):
@@ -93,7 +93,7 @@ def test_island_from_the_topology(worlds):
 
 def test_with_int8_gathers_the_island_copies_are_the_dequantized_values(worlds):
     """The first gather is quantized, the island gathers repeat its values: close to one process as int8 gathers
-    alone are (tests/trainer/test_quant_lightning.py bounds), and nothing stays in the island copies after fit."""
+    alone are (tests/strategies/test_quant_lightning.py bounds), and nothing stays in the island copies after fit."""
     knobs = {"secondary_shard": 2, "compression": {"gather_quant": "int8"}}
     res = worlds(4).run(fit_counting, "torch_mha", "zero3", 3, knobs)
     check("torch_mha", res[0]["state"], reference("torch_mha", 3, 4), 6e-3)
@@ -109,7 +109,7 @@ def test_with_int8_gathers_the_island_copies_are_the_dequantized_values(worlds):
 ])
 def test_bad_secondary_shard_is_refused_with_the_fix(knobs, match):
     from lightning_shard.strategies import Zero3Strategy
-    from lightning_shard.strategies.layout import island_groups
+    from lightning_shard.strategies.process_groups import island_groups
 
     if "shard_size" in knobs or knobs["secondary_shard"] == 1:
         with pytest.raises(ValueError, match=match):

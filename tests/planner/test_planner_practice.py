@@ -2,7 +2,7 @@
 
 ~1B (gpt_1b: 1.32B) and ~7B (gpt_7b: 6.59B) GPT models, bf16 parameters with fp32 masters and Adam
 (precision="bf16-true"), micro-batch 1 x the model's context. ``practice_table()`` also writes the table of
-docs/planner.md (python -m tests.unit.test_planner_practice).
+docs/planner.md (python -m tests.planner.test_planner_practice).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def practice_table() -> str:
 
 def test_docs_table_is_the_practice_table():
     """docs/planner.md shows what ``practice_table()`` prints now (it had drifted from the code unnoticed before issue
-    16's tenth round): regenerate it with ``python -m tests.unit.test_planner_practice`` when the planner changes."""
+    16's tenth round): regenerate it with ``python -m tests.planner.test_planner_practice`` when the planner changes."""
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()

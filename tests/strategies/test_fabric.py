@@ -318,7 +318,7 @@ def test_a_compiled_whole_model_trains_like_eager(world, ref, name):
 ])
 def test_compressed_communication_under_fabric(world, ref, name, knobs, tol):
     """compression.gather_quant / reduce_quant reach the engine through Fabric too: close to one process (the bounds of
-    tests/trainer/test_quant_lightning.py), not equal to it, and the same weights on both ranks."""
+    tests/strategies/test_quant_lightning.py), not equal to it, and the same weights on both ranks."""
     expected, _ = ref("torch_lm", optimizer="sgd")
     outs = world.run(fs.fabric_fit, name, ACC, STEPS, model="torch_lm", optimizer="sgd", knobs=knobs)
     d = max_diff(outs[0]["state"], expected)

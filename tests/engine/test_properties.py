@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_shard.engine.buckets.flat import build_layout, flatten_into, slot_views
+from lightning_shard.engine.buckets.flat import flat_layout, flatten_into, slot_views
 from lightning_shard.topology import TopologyParseError, parse_topo
 
 shapes = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
@@ -21,7 +21,7 @@ worlds = st.integers(1, 8)
 @given(shapes, dtypes, worlds)
 def test_flat_layout_round_trips_exactly(shape_list, dtype, world):
     names = [(f"p{i}", s) for i, s in enumerate(shape_list)]
-    layout = build_layout(names, world)
+    layout = flat_layout(names, world)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(s, generator=g).to(dtype) for _, s in names]
     flat = torch.full((layout.padded_numel,), float("nan"), dtype=dtype)
@@ -44,7 +44,7 @@ def test_flat_layout_round_trips_exactly(shape_list, dtype, world):
 def test_checkpoint_pieces_cover_each_parameter_once(shape_list, world):
     """What each rank writes (its owned range intersected with each parameter) covers every element of every
     parameter exactly once, and never a padding element."""
-    layout = build_layout([(f"p{i}", s) for i, s in enumerate(shape_list)], world)
+    layout = flat_layout([(f"p{i}", s) for i, s in enumerate(shape_list)], world)
     for slot in layout.slots:
         covered = []
         for r in range(world):

@@ -97,7 +97,7 @@ def test_two_local_nodes_build_node_aware_groups_and_match():
 
 
 def test_placement_across_nvl_pairs_warns_and_strict_raises():
-    from lightning_shard.strategies.layout import check_job_placement
+    from lightning_shard.strategies.process_groups import check_job_placement
     from lightning_shard.topology import PlacementError, load_preset
 
     topo = load_preset("h100_nvl_8")

@@ -113,6 +113,6 @@ def test_the_gpu_only_tests_are_found_in_the_source():
     finally:
         sys.path.remove(str(REPO / "bench"))
     found = gpu_only_tests()
-    assert "tests/trainer/test_zero_launch.py::test_cuda_nccl_two_gpus" in found
-    assert "tests/trainer/test_offload.py::test_on_cuda_the_host_side_is_pinned_and_the_step_matches" in found
+    assert "tests/strategies/test_zero_launch.py::test_cuda_nccl_two_gpus" in found
+    assert "tests/strategies/test_offload.py::test_on_cuda_the_host_side_is_pinned_and_the_step_matches" in found
     assert not any("test_gpu_check.py" in n for n in found)  # the check never runs itself

@@ -43,7 +43,7 @@ def test_recommend_for_returns_a_registered_strategy():
     assert "fastest that fits" in rec.reason and rec.table
     cls = REGISTERED[rec.strategy_name][0]
     assert rec.kwargs["accumulation"] in cls.OPTIONS.choices("accumulation")  # the class's own policy names
-    # (tests/config/test_planner_advice.py)
+    # (tests/planner/test_planner_advice.py)
 
 
 def test_hybrid_recommended_on_nvl_pairs():

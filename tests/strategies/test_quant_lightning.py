@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.foreign import diff, fit_foreign
-from tests.trainer.test_foreign_models import STEPS, check, reference
+from tests.strategies.test_foreign_models import STEPS, check, reference
 
 
 # max |diff| vs one process after 4 fp32 SGD steps (momentum, weight decay; tests/foreign.py), accumulation 3, world 2,
