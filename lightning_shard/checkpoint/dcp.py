@@ -124,7 +124,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
 
 def from_pieces(pieces: dict[str, torch.Tensor], index: dict[str, list], meta: dict[str, Any],
                 first_rank: bool) -> tuple[dict[str, tuple[tuple[int, ...], int, torch.Tensor]], dict[str, Any]]:
-    """This rank's pieces (``engine_ckpt.collect_pieces``) as DCP ranges under the module's and torch's
+    """This rank's pieces (``pieces.collect_pieces``) as DCP ranges under the module's and torch's
     optimizer names: the fp32 master where the run kept one, every alias of a tied weight; ``first_rank``: the
     rank that adds the optimizers' param groups (torch's format: parameter names in ``params``)."""
     shapes, aliases = meta["shapes"], meta.get("aliases", {})

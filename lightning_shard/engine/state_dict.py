@@ -1,5 +1,5 @@
 """Full weights by parameter name out of the buckets, and back in (consolidated checkpoints, ``state_dict()``
-after fit, resuming fp32 masters). Sharded checkpoint pieces are :mod:`.engine_ckpt`'s job."""
+after fit, resuming fp32 masters). Sharded checkpoint pieces are :mod:`lightning_shard.checkpoint.pieces`'s job."""
 
 from __future__ import annotations
 

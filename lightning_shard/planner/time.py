@@ -13,7 +13,7 @@ steps = n-1 (2(n-1) for all-reduce), α the slowest hop's latency and busbw = th
 ``bus_efficiency`` (0.8 by default: nccl-tests busbw on NVLink/PCIe typically reaches ~80 % of the link rate,
 e.g. the F09 capture in tests/assets/topology measured 25.9 GB/s on a 31.5 GB/s PCIe Gen4 path).
 
-Overlap (what the engine does, engine/buckets/sync.py and core/param_shard*.py):
+Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
   compute; the last bucket (the first layers' gradients) can only start when backward ends:
   exposed = max(t_reductions - t_backward, t_last_bucket). The post-step all-gather (stages 1/2) runs in

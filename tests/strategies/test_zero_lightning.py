@@ -108,7 +108,7 @@ def test_all_gather_path_by_backend_and_size(worlds):
     assert worlds(2).run(_gather_paths)[0] == ["all_gather", "broadcast", "broadcast", "all_gather", "broadcast"]
     from lightning_shard.engine.comm.choices import CommChoices
 
-    with pytest.raises(ValueError, match="all_gather_via must be one of"):
+    with pytest.raises(ValueError, match="CommChoices.all_gather must be one of"):
         CommChoices(all_gather="ring")
 
 

@@ -35,9 +35,10 @@ class CommChoices:
 
     def __post_init__(self) -> None:
         if self.reduce_scatter not in REDUCE_SCATTER_VIA:
-            raise ValueError(f"reduce_scatter_via must be one of {REDUCE_SCATTER_VIA}, got {self.reduce_scatter!r}")
+            raise ValueError(f"CommChoices.reduce_scatter must be one of {REDUCE_SCATTER_VIA}, got "
+                             f"{self.reduce_scatter!r}")
         if self.all_gather not in ALL_GATHER_VIA:
-            raise ValueError(f"all_gather_via must be one of {ALL_GATHER_VIA}, got {self.all_gather!r}")
+            raise ValueError(f"CommChoices.all_gather must be one of {ALL_GATHER_VIA}, got {self.all_gather!r}")
         object.__setattr__(self, "huge_pages", bool(self.huge_pages))
 
     def reduce_form(self, group: Group = None) -> ReduceForm:
