@@ -6,36 +6,8 @@ registration are in ``lightning_shard/strategies/__init__.py``). Importing Light
 difference. The classes are importable from here too: ``from lightning_shard import Zero2Strategy``.
 """
 
-from .strategies import (
-    AutoStrategy,
-    FSDPShardFabricStrategy,
-    FSDPShardStrategy,
-    Zero0FabricStrategy,
-    Zero0Strategy,
-    Zero1FabricStrategy,
-    Zero1Strategy,
-    Zero2FabricStrategy,
-    Zero2Strategy,
-    Zero3FabricStrategy,
-    Zero3Strategy,
-    ZeroFabricStrategy,
-    ZeroStrategy,
-)
+from . import strategies
+from .strategies import *  # noqa: F403  (the strategy classes: strategies.__all__)
 from .version import __version__
 
-__all__ = [
-    "AutoStrategy",
-    "FSDPShardFabricStrategy",
-    "FSDPShardStrategy",
-    "Zero0FabricStrategy",
-    "Zero0Strategy",
-    "Zero1FabricStrategy",
-    "Zero1Strategy",
-    "Zero2FabricStrategy",
-    "Zero2Strategy",
-    "Zero3FabricStrategy",
-    "Zero3Strategy",
-    "ZeroFabricStrategy",
-    "ZeroStrategy",
-    "__version__",
-]
+__all__ = [*strategies.__all__, "__version__"]

@@ -11,15 +11,7 @@ import lightning
 import torch
 from torch import nn
 
-from ..checkpoint.save_load import (
-    load_model,
-    load_optimizers,
-    open_directory,
-    refuse_file_over_folder,
-    released,
-    save,
-    writes_pieces,
-)
+from ..checkpoint import save_load
 
 OWN_KEYS = "lightning_shard_fabric"  # the trainer-state entry naming which state keys hold modules / optimizers
 
@@ -105,7 +97,7 @@ class FabricCheckpoints:
         return self.engine.binding_for(optimizer).full_state_dict()
 
     def _released(self) -> bool:
-        return released(self.engine)
+        return save_load.released(self.engine)
 
     def _split_state(self, state: dict[str, Any]) -> tuple[Optional[str], list[str], dict[str, Any]]:
         """(the key of our module, the keys of its optimizers in order, the other entries)."""
@@ -129,8 +121,8 @@ class FabricCheckpoints:
         Collective."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if not writes_pieces(self.options.state_dict_type, self.engine):
-            refuse_file_over_folder(path)
+        if not save_load.writes_pieces(self.options.state_dict_type, self.engine):
+            save_load.refuse_file_over_folder(path)
             return super().save_checkpoint(path, state, filter=filter)
         if filter:
             raise NotImplementedError("save filters with state_dict_type='sharded' (each rank writes whole shards); "
@@ -144,14 +136,14 @@ class FabricCheckpoints:
         # what a Trainer resuming from this checkpoint looks for (its loops start at 0: Fabric keeps no loop state)
         others.setdefault("pytorch-lightning_version", lightning.__version__)
         others.setdefault("lr_schedulers", [])
-        save(self.engine, self.options.state_dict_type, others, path, type(self).strategy_name)
+        save_load.save(self.engine, self.options.state_dict_type, others, path, type(self).strategy_name)
 
     def load_checkpoint(self, path: Any,
                         state: Optional[Union[nn.Module, torch.optim.Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory (from Fabric or the Trainer, any strategy and world size) or a full file; the
         objects in ``state`` are restored in place; returns what the checkpoint holds beyond them."""
-        reader = open_directory(path, self._module)  # a directory that is not a complete checkpoint raises
+        reader = save_load.open_directory(path, self._module)  # a directory that is not a complete checkpoint raises
         if reader is None:
             return self._load_full(path, state, strict)
         saved = reader.trainer_state()
@@ -167,7 +159,7 @@ class FabricCheckpoints:
         if module_key is not None:
             self._load_module(strict, reader.path, reader=reader)
         if opt_keys:
-            load_optimizers(self.engine, [state[k] for k in opt_keys], reader.path, reader=reader)
+            save_load.load_optimizers(self.engine, [state[k] for k in opt_keys], reader.path, reader=reader)
         for k in ("state_dict", "optimizer_states", own.get("module"), *own.get("optimizers", [])):
             saved.pop(k, None)
         return _restore_rest(state, saved, {module_key, *opt_keys}, path, strict)
@@ -178,7 +170,7 @@ class FabricCheckpoints:
         ``model.state_dict()``'s full-weights hook off (the shapes check reads the module's own tensors)."""
         assert self._module is not None
         with self._raw():
-            masters = load_model(self._module, self.engine, strict, where, reader=reader, weights=weights)
+            masters = save_load.load_model(self._module, self.engine, strict, where, reader=reader, weights=weights)
         if masters is not None and self.engine is not None:  # the module took them: the fp32 masters too
             self.engine.load_full(masters, masters_only=True)
 
@@ -194,6 +186,6 @@ class FabricCheckpoints:
         if module_key is not None:
             self._load_module(strict, path, weights=checkpoint.pop(module_key))
         if opt_keys:
-            load_optimizers(self.engine, [state[k] for k in opt_keys], path,
+            save_load.load_optimizers(self.engine, [state[k] for k in opt_keys], path,
                             states=[checkpoint.pop(k) for k in opt_keys])
         return _restore_rest(state, checkpoint, {module_key, *opt_keys}, path, strict)

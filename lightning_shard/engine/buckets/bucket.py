@@ -28,7 +28,6 @@ from ..comm.reduce import Reduction
 from ..states import GradState
 from .chunks import OptimizerChunks
 from .context import BucketContext, BucketName
-from .flat import FlatLayout
 from .gather import Gauge, ParamGather
 from .grads import BucketGrads
 from .storage import BucketStorage
@@ -48,6 +47,14 @@ class Bucket:
         self.trainable = opt_index is not None  # stage 3 also shards frozen parameters, with no optimizer
         self.name = BucketName(index, names[0], unit)
         self.store = store = BucketStorage(ctx, params, names, self.trainable)
+        # what the bucket is, fixed by its storage at construction: the parameters, the layout and this rank's
+        # ranges of it (``[shard_start, shard_end)`` padded, ``[own_lo, own_hi)`` its real elements), the dtype the
+        # module computes in (``cast``: held as fp32 masters, computed in ``param_dtype``), what the optimizer steps
+        self.params, self.names, self.layout = store.params, store.names, store.layout
+        self.device, self.dtype, self.itemsize, self.cast = store.device, store.dtype, store.itemsize, store.cast
+        self.shard_start, self.shard_end, self.own_lo, self.own_hi = (store.shard_start, store.shard_end,
+                                                                       store.own_lo, store.own_hi)
+        self.owned_numel, self.shard_param = store.owned_numel, store.shard_param
         self.gather = ParamGather(ctx, self.name, store)
         self.optimizer_view = OptimizerChunks(store.shard_param, store.layout.owned_slots(store.own_lo, store.own_hi),
                                               ctx.chunk_numel, self.trainable, self.param_groups)
@@ -71,62 +78,6 @@ class Bucket:
     @index.setter
     def index(self, value: int) -> None:  # stage 3: numbered once every unit is built (engine/build.py)
         self.name.renumber(value)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return self.store.params
-
-    @property
-    def names(self) -> list[str]:
-        return self.store.names
-
-    @property
-    def layout(self) -> FlatLayout:
-        return self.store.layout
-
-    @property
-    def device(self) -> torch.device:
-        return self.store.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.store.dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self.store.itemsize
-
-    @property
-    def cast(self) -> bool:
-        """Held as fp32 masters, computed in ``param_dtype``."""
-        return self.store.cast
-
-    @property
-    def own_lo(self) -> int:
-        """This rank's owned (non-padding) range of the flat buffer is ``[own_lo, own_hi)``."""
-        return self.store.own_lo
-
-    @property
-    def own_hi(self) -> int:
-        return self.store.own_hi
-
-    @property
-    def owned_numel(self) -> int:
-        return self.store.owned_numel
-
-    @property
-    def shard_start(self) -> int:
-        """This rank's padded range of the flat buffer is ``[shard_start, shard_end)``."""
-        return self.store.shard_start
-
-    @property
-    def shard_end(self) -> int:
-        return self.store.shard_end
-
-    @property
-    def shard_param(self) -> nn.Parameter:
-        """What the optimizer steps (through the chunks): the owned elements, or their fp32 master."""
-        return self.store.shard_param
 
     # ------------------------------------------------------------------ gradients (grads.py)
     @property
