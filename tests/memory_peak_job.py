@@ -13,7 +13,7 @@ peak that the run itself added. Nothing measured here asks the engine what it ho
 accounting at the end of fit) is carried along for comparison, not asserted on. Writes ``{strategy: [rank 0's
 result, rank 1's result]}`` to OUT.json.
 
-Strategies: ``ddp`` (Lightning's ``DDPStrategy``), ``zero0``/``zero1``/``zero2`` (``ZeroStrategy``, ``bucket_mb=4``),
+Strategies: ``ddp`` (Lightning's ``DDPStrategy``), ``zero0``/``zero1``/``zero2`` (``ZeroStrategy``, ``tuning.bucket_mb=4``),
 ``zero3`` (``Zero3Strategy``, defaults: one unit per Linear). Always on the CPU (gloo), also where CUDA is present.
 """
 
@@ -84,7 +84,7 @@ def _strategy(name: str) -> Any:
     if name == "zero3":
         return Zero3Strategy()
     if name in ("zero0", "zero1", "zero2"):
-        return ZeroStrategy(stage=int(name[-1]), bucket_mb=BUCKET_MB)
+        return ZeroStrategy(stage=int(name[-1]), tuning={"bucket_mb": BUCKET_MB})
     raise ValueError(f"unknown strategy {name!r}; one of {STRATEGIES}")
 
 
