@@ -14,7 +14,8 @@ accounting at the end of fit) is carried along for comparison, not asserted on. 
 result, rank 1's result]}`` to OUT.json.
 
 Strategies: ``ddp`` (Lightning's ``DDPStrategy``), ``zero0``/``zero1``/``zero2`` (``ZeroStrategy``,
-``tuning.bucket_mb=4``), ``zero3`` (``Zero3Strategy``, defaults: one unit per Linear). Always on the CPU (gloo), also where CUDA is present.
+``tuning.bucket_mb=4``), ``zero3`` (``Zero3Strategy``, defaults: one unit per Linear). Always on the CPU (gloo),
+also where CUDA is present.
 """
 
 from __future__ import annotations
