@@ -334,6 +334,7 @@ def _make_strategy(args: argparse.Namespace, variant: str) -> Any:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     import lightning_shard  # noqa: F401  (registers the strategy names)
+    from lightning_shard.options import merge as merge_options
     from lightning_shard.strategies import FSDPShardStrategy, Zero0Strategy, Zero1Strategy, Zero2Strategy, Zero3Strategy
 
     if variant == "single":
@@ -360,13 +361,3 @@ def _make_strategy(args: argparse.Namespace, variant: str) -> Any:
         return FSDPShardStrategy(wrap_classes=[block_class(args)], accumulation="auto")
     return cls(accumulation="defer", tuning={"bucket_mb": args.bucket_mb,
                                              "find_unused_parameters": variant != "zero2_nomask"})
-
-
-def merge_options(*parts: dict[str, Any]) -> dict[str, Any]:
-    """Strategy options merged left to right, a group's mapping (``tuning={...}``) field by field."""
-    out: dict[str, Any] = {}
-    for part in parts:
-        for key, value in part.items():
-            both = isinstance(value, dict) and isinstance(out.get(key), dict)
-            out[key] = {**out[key], **value} if both else (dict(value) if isinstance(value, dict) else value)
-    return out

@@ -446,13 +446,18 @@ def walk_zero2(pkg_dir: str, rank: int) -> dict[str, Any]:
                     finally:
                         if trace:
                             sys.setprofile(None)
-            engine.prepare_step(opt)
-            opt.step()
-            engine.finish_step(opt)
-            opt.zero_grad()
+            _optimizer_step(engine, opt)
     finally:
         engine.remove_hooks()
     return dict(tracer.result(), engine=how, engine_attempts_failed=errors)
+
+
+def _optimizer_step(engine: Any, opt: Any) -> None:
+    """One optimizer step through the engine, as the strategies drive it."""
+    engine.prepare_step(opt)
+    opt.step()
+    engine.finish_step(opt)
+    opt.zero_grad()
 
 
 def walk_zero3(pkg_dir: str, rank: int) -> dict[str, Any]:
@@ -482,10 +487,7 @@ def walk_zero3(pkg_dir: str, rank: int) -> dict[str, Any]:
             engine.pre_backward()
             loss.backward()
             engine.post_backward()
-            engine.prepare_step(opt)
-            opt.step()
-            engine.finish_step(opt)
-            opt.zero_grad()
+            _optimizer_step(engine, opt)
     finally:
         engine.remove_hooks()
     return dict(tracer.result(), engine=how, engine_attempts_failed=errors, units=units)

@@ -11,6 +11,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_shard.engine.comm import collectives as C
+from lightning_shard.options import merge as merge_options
 from lightning_shard.strategies import FSDPShardStrategy, Zero3Strategy, ZeroStrategy
 from tests.zoo import RankMicroBatches, dataset, make_module
 
@@ -143,19 +144,6 @@ class ResumePoint(L.Callback):
 def full_optimizer_state(strategy: Any, optimizer: Any) -> dict:
     """The full optimizer state: ours gather it on demand (collective), Lightning's own strategies hold it."""
     return getattr(strategy, "full_optimizer_state", strategy.optimizer_state)(optimizer)
-
-
-def merge_options(*parts: Optional[dict], **changes: Any) -> dict:
-    """Strategy options merged left to right, a group's mapping (``tuning={...}``) field by field:
-    ``merge_options({"tuning": {"prefetch_depth": 1}}, tuning={"min_unit_mb": 0})`` keeps both fields."""
-    out: dict[str, Any] = {}
-    for part in (*parts, changes):
-        for key, value in (part or {}).items():
-            if isinstance(value, dict) and isinstance(out.get(key), dict):
-                out[key] = {**out[key], **value}
-            else:
-                out[key] = dict(value) if isinstance(value, dict) else value
-    return out
 
 
 def with_comm(strategy: Any, comm: Optional[dict]) -> Any:

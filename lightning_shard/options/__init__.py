@@ -22,7 +22,7 @@ option, e.g. ``strategy=zero1``, chooses it).
 
 from __future__ import annotations
 
-from .fields import knob
+from .fields import knob, merge
 from .groups import GROUPS, MIN_UNIT_MB, PREFETCH_DEPTH, Compression, Launch, Safety, Tuning, Zero3Tuning
 from .strategies import (
     OPTIONS,
@@ -38,4 +38,4 @@ from .strategies import (
 
 __all__ = ["GROUPS", "MIN_UNIT_MB", "OPTIONS", "POLICIES", "PREFETCH_DEPTH", "REGISTERED", "AutoOptions", "Compression",
            "FSDPOptions", "Launch", "Safety", "Tuning", "Zero3Options", "Zero3Tuning", "ZeroOptions", "convert", "knob",
-           "options_for"]
+           "merge", "options_for"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
@@ -83,4 +83,17 @@ class Fields:
 
 
 
-__all__ = ["DTYPE_NAMES", "Fields", "check_bool", "dtype_name", "group", "is_positive", "knob"]
+def merge(*parts: Optional[Mapping[str, Any]], **changes: Any) -> dict[str, Any]:
+    """Options given as keywords, merged left to right; a group's mapping field by field:
+    ``merge({"tuning": {"prefetch_depth": 1}}, tuning={"min_unit_mb": 0})`` keeps both fields."""
+    out: dict[str, Any] = {}
+    for part in (*parts, changes):
+        for key, value in (part or {}).items():
+            if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            else:
+                out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+__all__ = ["DTYPE_NAMES", "Fields", "check_bool", "dtype_name", "group", "is_positive", "knob", "merge"]

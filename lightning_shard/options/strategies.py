@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
-from .fields import Fields, check_bool, dtype_name, group, knob
+from .fields import Fields, check_bool, dtype_name, group, knob, merge
 from .groups import MIN_UNIT_MB, Compression, Launch, Safety, Tuning, Zero3Tuning, as_group
 
 # accumulation policies each stage can run (the ``accumulation`` choices less "auto"): zero0/zero1 hold full
@@ -264,12 +264,7 @@ def convert(options: ZeroOptions, cls: type[ZeroOptions], stage: int, changes: M
             names = f.metadata["group"].names()
             value = {k: v for k, v in dataclasses.asdict(value).items() if k in names}
         values[f.name] = value
-    for name, value in changes.items():
-        if isinstance(value, Mapping) and isinstance(values.get(name), dict):
-            values[name] = {**values[name], **value}
-        else:
-            values[name] = value
-    return cls(stage=stage, **values).validate(cls.__name__)
+    return cls(stage=stage, **merge(values, changes)).validate(cls.__name__)
 
 
 def options_for(name: str, **values: Any) -> ZeroOptions:

@@ -619,3 +619,19 @@ def test_no_other_hard_coded_list_of_options_in_the_package():
             if (rel, owner) not in ALLOWED_LISTS:
                 bad.append(f"{rel}: {owner}")
     assert not bad, f"option names listed outside lightning_shard/options: {bad}"
+
+
+def test_auto_becomes_the_planned_row_keeping_the_users_options():
+    """``convert`` (what strategy=auto becomes at setup): the user's options carry over, inside a group field by
+    field, the planned row's changes win, and what the target class has not (stage 3's fields) is dropped."""
+    from lightning_shard.options import AutoOptions, Zero3Options, ZeroOptions, convert, merge
+
+    user = AutoOptions(stage=3, param_dtype="bf16", tuning={"find_unused_parameters": False, "prefetch_depth": 2},
+                       safety={"timeout_s": 60.0}).validate()
+    zero2 = convert(user, ZeroOptions, 2, {"accumulation": "defer", "tuning": {"bucket_mb": 50.0}})
+    assert zero2.stage == 2 and zero2.accumulation == "defer" and zero2.param_dtype == "bf16"
+    assert zero2.tuning.bucket_mb == 50.0 and zero2.tuning.find_unused_parameters is False
+    assert zero2.safety.timeout_s == 60.0 and not hasattr(zero2.tuning, "prefetch_depth")
+    zero3 = convert(user, Zero3Options, 3, {"tuning": {"reshard_after_forward": False}})
+    assert zero3.tuning.prefetch_depth == 2 and zero3.tuning.reshard_after_forward is False
+    assert merge({"tuning": {"a": 1}}, {"tuning": {"b": 2}}, tuning={"a": 3}) == {"tuning": {"a": 3, "b": 2}}

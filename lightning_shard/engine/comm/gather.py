@@ -57,9 +57,7 @@ def all_gather_form(choice: str, group: C.Group = None, nbytes: Optional[int] = 
 
     The ledger records an all-gather either way (its bytes and wire bytes), marked ``via="broadcast"``: its
     :attr:`LedgerEntry.calls` are the N broadcasts that run."""
-    if choice not in ALL_GATHER_VIA:
-        raise ValueError(f"all_gather_via must be one of {ALL_GATHER_VIA}, got {choice!r}")
-    if choice == "auto":
+    if choice == "auto":  # (a choice CommChoices validated)
         large = nbytes is None or nbytes >= BROADCAST_MIN_BYTES
         choice = "broadcast" if C.backend(group) == "gloo" and large else "all_gather"
     return BROADCAST_ALL_GATHER if choice == "broadcast" else BACKEND_ALL_GATHER
