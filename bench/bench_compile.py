@@ -35,8 +35,8 @@ def job(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_shard  # noqa: F401  registers the strategy names in Fabric's registry
-    from recipes.gpt import GPT
-    from recipes.synthetic import SyntheticTokens
+    from lightning_shard.recipes.gpt import GPT
+    from lightning_shard.recipes.synthetic import SyntheticTokens
 
     torch.set_num_threads(1)
     strategy = args.variant

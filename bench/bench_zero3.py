@@ -10,7 +10,8 @@ names); writes
     .venv/bin/python bench/bench_zero3.py --suite all      # zero12 table too (its ddp run is reused here)
 
 Variants: ``zero3`` (``Zero3Strategy``: every module with parameters a unit), ``fsdp_shard``
-(``FSDPShardStrategy(wrap_classes=[recipes.gpt.Block])``), ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` on
+(``FSDPShardStrategy(wrap_classes=[lightning_shard.recipes.gpt.Block])``),
+``fsdp2`` (``torch.distributed.fsdp.fully_shard`` on
 each block then on the GPT root, in ``LightningModule.configure_model()`` with ``self.device_mesh``, run by
 Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` on CPU / gloo), ``ddp``.
 

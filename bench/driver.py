@@ -1,14 +1,16 @@
 """Command line and multi-process driver of the sharding benchmarks (``bench_zero12.py``, ``bench_zero3.py`` and
 ``bench_unused.py`` are thin entry points; ``python bench/driver.py --variant V --rank-out P`` is one variant's run).
 
-Three suites, each a table of variants trained on the same small GPT (the recipe ``recipes.gpt.GPT``; synthetic
+Three suites, each a table of variants trained on the same small GPT (the recipe
+``lightning_shard.recipes.gpt.GPT``; synthetic
 tokens, fixed seed, AdamW), each variant in a fresh Python process with N CPU ranks (gloo, 1 thread per rank):
 
 * ``zero12`` -> ``bench/results/zero12.{json,md}``: ``zero0``/``zero1``/``zero2`` (lightning_shard), ``ddp``
   (Lightning ``DDPStrategy``), ``zero_r`` (``torch.distributed.optim.ZeroRedundancyOptimizer`` wrapping AdamW,
   returned from ``configure_optimizers`` under Lightning ``DDPStrategy``).
 * ``zero3`` -> ``bench/results/zero3.{json,md}``: ``zero3`` (lightning_shard ``Zero3Strategy``, every module with
-  parameters a unit), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[recipes.gpt.Block])``), ``fsdp2`` (torch
+  parameters a unit), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[lightning_shard.recipes.gpt.Block])``),
+  ``fsdp2`` (torch
   FSDP2 ``fully_shard`` applied per block then to the GPT root in ``configure_model()``, run by Lightning's
   ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` on gloo), ``ddp`` (reference).
 * ``unused`` -> ``bench/results/unused.{json,md}``: what leaving parameters without gradients out of the step

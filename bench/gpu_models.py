@@ -6,7 +6,8 @@ Two models for the correctness phases:
   ``MultiheadAttention`` reads ``out_proj.weight`` itself), an odd vocabulary (a parameter count not divisible by 2)
   and an output head tied to the embedding; SGD with momentum and weight decay (updates linear in the gradient, so
   fp32 parity is tight: "Design rules" 8).
-* ``gpt``: the recipe, ``recipes.gpt.GPTLightningModule`` (tied GPT, AdamW, warmup + cosine schedule), with
+* ``gpt``: the recipe, ``lightning_shard.recipes.gpt.GPTLightningModule`` (tied GPT, AdamW, warmup + cosine
+  schedule), with
   ``eps=1e-6`` ("Design rules" 8: Adam's default 1e-8 amplifies rounding noise of near-zero gradients).
 
 ``SIZES``: the sizes of each mode. ``--cpu`` runs everything at tiny sizes so that the whole check fits in about a

@@ -81,7 +81,7 @@ def make_module(kind: str, size: dict[str, Any]):
     if kind == "gpt":
         import torch
 
-        from recipes.gpt import GPTLightningModule
+        from lightning_shard.recipes.gpt import GPTLightningModule
 
         s = size["gpt"]
         torch.manual_seed(1234)
@@ -158,7 +158,7 @@ def consolidate(ckpt: str, out: str, kind: str, size: dict[str, Any]) -> dict[st
     if rc != 0:
         raise RuntimeError(f"lightning-shard consolidate exited with {rc}")
     if kind == "gpt":
-        from recipes.gpt import GPT
+        from lightning_shard.recipes.gpt import GPT
 
         s = size["gpt"]
         bare = GPT(s["vocab"], s["seq"], s["n_layer"], s["n_head"], s["n_embd"])

@@ -2,7 +2,8 @@
 
 Every variant trains one model under AdamW; only the strategy (and for ``zero_r`` the optimizer, for ``fsdp2`` a
 ``configure_model``) differs. The model (``--model``): ``gpt`` (default; the project's recipe GPT,
-``recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm blocks ``recipes.gpt.Block``, no dropout) or
+``lightning_shard.recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm blocks
+``lightning_shard.recipes.gpt.Block``, no dropout) or
 ``hf_gpt2`` (Hugging Face ``transformers.GPT2LMHeadModel``, tied embedding, dropout 0, blocks ``GPT2Block`` in
 ``model.transformer.h``; the ``peak`` suite's default).
 
@@ -200,7 +201,7 @@ def build_model(args: argparse.Namespace):
                          n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
         return GPT2LMHeadModel(cfg)
-    from recipes.gpt import GPT
+    from lightning_shard.recipes.gpt import GPT
 
     return GPT(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                n_embd=args.n_embd, dropout=0.0, tie_weights=True)
@@ -217,7 +218,7 @@ def block_class(args: argparse.Namespace) -> type:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return GPT2Block
-    from recipes.gpt import Block
+    from lightning_shard.recipes.gpt import Block
 
     return Block
 

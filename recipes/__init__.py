@@ -4,7 +4,7 @@ Recipes depend on Lightning and torch only; they never import ``lightning_shard.
 (docs/architecture.md, "Design rules" 1).
 """
 
-from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
-from recipes.gpt import GPT, GPTLightningModule
+from lightning_shard.recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
+from lightning_shard.recipes.gpt import GPT, GPTLightningModule
 
 __all__ = ["GPT", "GPTLightningModule", "StdlibTextDataModule", "WindowDataset", "load_stdlib_corpus"]

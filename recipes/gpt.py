@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
-from recipes.lm_steps import CausalLMSteps
+from lightning_shard.recipes.lm_steps import CausalLMSteps
 
 
 class CausalSelfAttention(nn.Module):

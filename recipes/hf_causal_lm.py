@@ -6,7 +6,7 @@
 base and trains only LoRA adapters made by peft (``LoraConfig`` + ``get_peft_model``; further keys of ``lora`` are
 ``LoraConfig``'s own, e.g. ``bias``); ``lora=None`` trains every parameter. ``lightning-shard consolidate CKPT OUT
 --hf`` turns a checkpoint of this recipe into a ``save_pretrained`` folder (adapters merged, or ``--hf-adapter``: peft's
-adapter folder); see :mod:`recipes.hf_export`.
+adapter folder); see :mod:`lightning_shard.recipes.hf_export`.
 
 Data: the standard library's sources (``recipes/corpus.py``), tokenized by the model's tokenizer
 (``HFTextDataModule(tokenizer=<name_or_path>)``) or read as bytes when ``tokenizer`` is None (then the model's
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
-from recipes.gpt import warmup_cosine
-from recipes.lm_steps import CausalLMSteps
+from lightning_shard.recipes.corpus import StdlibTextDataModule, WindowDataset, load_stdlib_corpus
+from lightning_shard.recipes.gpt import warmup_cosine
+from lightning_shard.recipes.lm_steps import CausalLMSteps
 
 
 def _transformers():

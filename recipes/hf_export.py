@@ -25,7 +25,7 @@ import torch
 
 
 def save_hf(state: dict[str, torch.Tensor], hparams: dict[str, Any], out: str | Path, adapter: bool = False) -> Path:
-    from recipes.hf_causal_lm import HFCausalLM
+    from lightning_shard.recipes.hf_causal_lm import HFCausalLM
 
     out = Path(out)
     accepted = set(inspect.signature(HFCausalLM.__init__).parameters) - {"self"}

@@ -18,9 +18,9 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 import lightning_shard  # noqa: F401  registers the strategy names in Fabric's registry
+from lightning_shard.recipes.gpt import GPT
+from lightning_shard.recipes.synthetic import SyntheticTokens
 from lightning_shard.strategies import FABRIC_CLASSES
-from recipes.gpt import GPT
-from recipes.synthetic import SyntheticTokens
 
 
 def main() -> None:

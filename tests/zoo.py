@@ -104,7 +104,7 @@ class TinyLMModule(L.LightningModule):
 
     def __init__(self, optimizer: str = "sgd", activation_checkpointing: bool = False, **_: Any) -> None:
         super().__init__()
-        from recipes.gpt import GPT
+        from lightning_shard.recipes.gpt import GPT
 
         torch.manual_seed(1234)
         self.model = GPT(vocab_size=VOCAB, block_size=self.SEQ, n_layer=2, n_head=2, n_embd=16, dropout=0.0)

@@ -71,7 +71,7 @@ def check_target_node(node: Mapping[str, Any], key: str, provided: tuple[str, ..
     """Import ``node['_target_']`` and check the other keys are its keywords, with sane types."""
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise ConfigError(f"{key} needs a _target_ (the class to build), e.g. "
-                          f"{key}._target_=recipes.gpt.GPTLightningModule")
+                          f"{key}._target_=lightning_shard.recipes.gpt.GPTLightningModule")
     target = import_target(node["_target_"], f"{key}._target_")
     valid, defaults = _accepted(target)
     for name, value in node.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -21,7 +20,6 @@ from .launch import topology_fact
 from .resume import CKPT_DIR, resolve_ckpt_path
 from .schema import SCHEMAS
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 REQUIRED_KEYS = (
     "seed", "threads_per_rank", "val_every_n_steps",
     "strategy._target_",

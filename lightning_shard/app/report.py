@@ -8,14 +8,16 @@ rank, wire bytes per optimizer step), one row / bar per run, labelled strategy/t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 SUMMARY_FILE = "summary.json"
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
+NO_PLOT = "no report.png: matplotlib is not installed (pip install 'lightning-shard[plot]')"
 
 
 def _plain(value: Any) -> Any:
@@ -101,9 +103,11 @@ def plot(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
-def write_report(sweep_dir: str | Path) -> tuple[Path, Path] | None:
-    """Write ``report.md`` and ``report.png`` in ``sweep_dir``; None when no run left a summary."""
+def write_report(sweep_dir: str | Path) -> tuple[Path, Optional[Path]] | None:
+    """Write ``report.md`` and ``report.png`` in ``sweep_dir``; None when no run left a summary. Without matplotlib
+    (the ``plot`` extra) the report has no picture: the path of the png is None and report.md says why."""
     sweep_dir = Path(sweep_dir)
+    can_plot = importlib.util.find_spec("matplotlib") is not None
     rows = read_summaries(sweep_dir)
     if not rows:
         return None
@@ -112,9 +116,9 @@ def write_report(sweep_dir: str | Path) -> tuple[Path, Path] | None:
                     and not p.name.startswith("."))
     text = ["# Sweep report", "", f"{len(rows)} run(s) in `{sweep_dir}`; figures are rank 0's "
             "(memory: `engine.memory_report()`, wire bytes: the collective ledger per optimizer step).", "",
-            markdown_table(rows), f"![sweep]({REPORT_PNG})", ""]
+            markdown_table(rows),
+            f"![sweep]({REPORT_PNG})" if can_plot else NO_PLOT, ""]
     if failed:
         text += [f"Runs without a summary (failed or still running): {', '.join(failed)}", ""]
     md.write_text("\n".join(text))
-    png = plot(rows, sweep_dir / REPORT_PNG)
-    return md, png
+    return md, plot(rows, sweep_dir / REPORT_PNG) if can_plot else None

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from lightning_shard.callbacks import CommSummary
 
 from .config import build_callbacks, build_loggers, build_trainer_kwargs
-from .report import write_report, write_summary
+from .report import NO_PLOT, write_report, write_summary
 from .resume import FinalCheckpoint, resolve_ckpt_path
 from .summary import _choices, full_summary, log_to_run_files, print_next_steps, print_summary
 
@@ -97,4 +97,4 @@ class SweepReport(HydraCallback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         paths = write_report(config.hydra.sweep.dir)
         if paths is not None:
-            print(f"sweep report: {paths[0]} and {paths[1]}")
+            print(f"sweep report: {paths[0]}" + (f" and {paths[1]}" if paths[1] else f" ({NO_PLOT})"))

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     reader = open_reader(args.ckpt)
     if args.hf or args.hf_adapter:
-        from recipes.hf_export import save_hf
+        from lightning_shard.recipes.hf_export import save_hf
 
         hparams = dict(reader.trainer_state().get("hyper_parameters") or {})
         out = save_hf(model_state(reader, prefer_master=not args.no_master), hparams, args.out,

@@ -27,12 +27,13 @@ from typing import Any, Optional
 
 import yaml
 
+from lightning_shard.shipped import CONF_DIR
+
 from ..options import REGISTERED
 from ..topology import list_presets
 from ..topology.presets import read_preset
 from .models import SIZES
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RECIPE_PLACEHOLDER = "YOUR_RECIPE"
 CLASS_OF = {"zero0": "Zero0Strategy", "zero1": "Zero1Strategy", "zero2": "Zero2Strategy",
             "zero3": "Zero3Strategy", "fsdp_shard": "FSDPShardStrategy"}  # lightning_shard.strategies

@@ -12,6 +12,7 @@ constructor that run the pick as planned (advice.py); `--json` carries them for 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from typing import Any, Optional
 
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from .hardware import device_spec
     from .recommend import plan, resolve_topology
 
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'lightning-shard[plot]'")
     module = build_model(args)
     topologies = args.preset or [args.file or "detect"]
     results = []

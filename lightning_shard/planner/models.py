@@ -1,4 +1,5 @@
-"""Models for the planner: recipe names and shape arguments, built as ``recipes.gpt.GPT`` on the meta device.
+"""Models for the planner: recipe names and shape arguments, built as
+``lightning_shard.recipes.gpt.GPT`` on the meta device.
 
 ``gpt_tiny`` is the shipped recipe (``conf/recipe/gpt_tiny.yaml``); ``gpt_1b`` and ``gpt_7b`` are planning
 sizes with the shapes of GPT-3 XL-like 1.3B (24 layers, 2048 wide, Brown et al. 2020 table 2.1) and
@@ -8,15 +9,16 @@ class (learned positions, tied head, 4x GELU MLP), so their parameter counts are
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import yaml
 
+from lightning_shard.shipped import CONF_DIR
+
 if TYPE_CHECKING:
     from torch import nn
 
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "conf" / "recipe"
+RECIPE_DIR = CONF_DIR / "recipe"
 SIZES = {  # name: (n_layer, n_embd, n_head, block_size, vocab_size)
     "gpt_1b": (24, 2048, 16, 2048, 50304),
     "gpt_7b": (32, 4096, 32, 4096, 32000),
@@ -29,7 +31,9 @@ _BY_PARAMS = [(125e6, 12, 768), (350e6, 24, 1024), (1.3e9, 24, 2048), (2.7e9, 32
 def build_gpt(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int) -> nn.Module:
     import torch
 
-    from recipes.gpt import GPT  # recipes never import core; the planner may import recipes
+    from lightning_shard.recipes.gpt import (
+        GPT,  # recipes never import core; the planner may import lightning_shard.recipes
+    )
 
     with torch.device("meta"):
         return GPT(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)

@@ -85,7 +85,7 @@ class TransformerShape:
 
 
 def transformer_shape(module: nn.Module, seq: Optional[int] = None) -> Optional[TransformerShape]:
-    """Read layers/hidden/heads/vocab from a GPT-like module (recipes.gpt.GPT or similar); None otherwise."""
+    """Read layers/hidden/heads/vocab from a GPT-like module (the recipe GPT or similar); None otherwise."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
     if not lists or emb is None:

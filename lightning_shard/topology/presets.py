@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from lightning_shard.shipped import CONF_DIR
 from lightning_shard.topology.formats import ROCM, parse_rocm_smi, sniff
 from lightning_shard.topology.links import (
     NETWORK_GBPS_PER_NIC,
@@ -36,7 +37,7 @@ from lightning_shard.topology.links import (
 from lightning_shard.topology.model import Device, Topology
 from lightning_shard.topology.parse import clean, parse_topo
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "topology"
+PRESET_DIR = CONF_DIR / "topology"
 _KEYS = {"name", "description", "devices", "kind", "model", "nvlink_gen", "pcie_gen", "expect_nvlink", "numa",
          "uniform", "matrix", "nodes", "network", "nics_per_node", "base"}
 _EXTRA_TOKENS = {"SHM": LinkClass.SHM, "XGMI": LinkClass.XGMI}

@@ -140,9 +140,9 @@ def test_sweep_runs_every_strategy_and_writes_the_report(sweep):
 
 def _direct_fit(strategy_cls) -> float:
     """The gpt_test run written by hand: no Hydra, no lightning_shard.train."""
+    from lightning_shard.recipes.corpus import StdlibTextDataModule
+    from lightning_shard.recipes.gpt import GPTLightningModule
     from lightning_shard.strategies import Zero0Strategy  # noqa: F401 - registers the names
-    from recipes.corpus import StdlibTextDataModule
-    from recipes.gpt import GPTLightningModule
 
     torch.set_num_threads(1)
     L.seed_everything(1234, workers=True)

@@ -43,8 +43,10 @@ from lightning_shard.train import preflight, sweep_combinations
     # a recipe path that does not exist
     (["recipe=hf_causal_lm", "recipe.model.name_or_path=./models/does-not-exist"],
      ["recipe.model.name_or_path", "no such file or directory", "hub id"]),
-    (["recipe.data._target_=recipes.nope.DataModule"], ["recipe.data._target_", "module 'recipes.nope' not found"]),
-    (["recipe.model._target_=recipes.gpt.GPTModule"], ["recipe.model._target_", "did you mean 'GPTLightningModule'"]),
+    (["recipe.data._target_=lightning_shard.recipes.nope.DataModule"],
+     ["recipe.data._target_", "module 'lightning_shard.recipes.nope' not found"]),
+    (["recipe.model._target_=lightning_shard.recipes.gpt.GPTModule"],
+     ["recipe.model._target_", "did you mean 'GPTLightningModule'"]),
     # micro batch larger than the global batch, and not divisible
     (["recipe.micro_batch_size=64"], ["recipe.micro_batch_size * world_size = 64 * 2 = 128", "Fix:"]),
     (["recipe.global_batch_size=30", "recipe.micro_batch_size=4"], ["recipe.global_batch_size = 30", "24 or 32"]),

@@ -9,8 +9,8 @@ import torch
 
 from lightning_shard.callbacks import CommSummary
 from lightning_shard.engine.comm.collectives import LEDGER
-from recipes.corpus import StdlibTextDataModule
-from recipes.gpt import GPTLightningModule
+from lightning_shard.recipes.corpus import StdlibTextDataModule
+from lightning_shard.recipes.gpt import GPTLightningModule
 
 
 class _RecordingModule(GPTLightningModule):

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import RandomSampler
 
 from lightning_shard.callbacks import CommSummary
-from recipes.corpus import StdlibTextDataModule, WindowDataset, is_validation_file, load_stdlib_corpus
-from recipes.gpt import GPT, GPTLightningModule, warmup_cosine
+from lightning_shard.recipes.corpus import StdlibTextDataModule, WindowDataset, is_validation_file, load_stdlib_corpus
+from lightning_shard.recipes.gpt import GPT, GPTLightningModule, warmup_cosine
 from tests.optional import require
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -155,7 +155,7 @@ def test_twenty_step_fit_lowers_the_loss():
 
 # ------------------------------------------------------------------------------------ synthetic, LoRA, digits, HF
 def test_synthetic_tokens_are_fixed_and_deterministic():
-    from recipes.synthetic import SyntheticTokens
+    from lightning_shard.recipes.synthetic import SyntheticTokens
 
     ds = SyntheticTokens(num_samples=10, block_size=8, vocab_size=50, seed=3)
     x, y = ds[4]
@@ -168,7 +168,7 @@ def test_peft_lora_starts_at_the_base_model_and_trains_only_adapters():
     require("peft", "hf")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from recipes.hf_causal_lm import apply_peft_lora
+    from lightning_shard.recipes.hf_causal_lm import apply_peft_lora
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()
@@ -185,7 +185,7 @@ def test_peft_lora_starts_at_the_base_model_and_trains_only_adapters():
 
 def test_digits_split_is_stratified_and_deterministic():
     require("sklearn", "digits")
-    from recipes.digits import DigitsDataModule
+    from lightning_shard.recipes.digits import DigitsDataModule
 
     a, b = DigitsDataModule(micro_batch_size=16), DigitsDataModule(micro_batch_size=16)
     a.setup(), b.setup()
@@ -196,7 +196,7 @@ def test_digits_split_is_stratified_and_deterministic():
 
 def test_hf_tiny_llama_lora_fit_lowers_the_loss():
     require("transformers", "hf")
-    from recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
+    from lightning_shard.recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
 
     torch.set_num_threads(1)
     L.seed_everything(0)

@@ -27,7 +27,7 @@ def _inputs() -> torch.Tensor:
 def train_and_save(ckpt_dir: str, lora: Any, strategy: str) -> dict[str, Any]:
     """A few steps of the recipe; ModelCheckpoint writes the sharded directory during fit; returns the trained
     model's logits on fixed inputs (after fit the module holds full weights on every rank)."""
-    from recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
+    from lightning_shard.recipes.hf_causal_lm import HFCausalLM, HFTextDataModule
 
     L.seed_everything(0, verbose=False)
     module = HFCausalLM(config=CFG, lora=lora, lr=2e-2, warmup_steps=1)
@@ -107,7 +107,7 @@ def test_hf_export_of_a_full_fine_tune(trained, tmp_path, capsys):
 
 
 def test_hf_export_refuses_a_checkpoint_of_another_recipe(tmp_path):
-    from recipes.hf_export import save_hf
+    from lightning_shard.recipes.hf_export import save_hf
 
     with pytest.raises(ValueError, match="needs a checkpoint of the hf_causal_lm recipe"):
         save_hf({}, {"n_layer": 2}, Path(tmp_path) / "x")

@@ -5,9 +5,10 @@
     options/      the Python standard library only (every layer reads the options)
     engine/       torch, options, the engine
     checkpoint/   torch (``torch.distributed.checkpoint`` included), options, engine; Lightning only in io.py
-                  (cli.py: the console script when run as a module)
-    topology/     no torch, no Lightning, no other layer
-    planner/      torch, options, engine, topology (never strategies, checkpoint, app, Lightning)
+                  (cli.py: the console script when run as a module, and the recipes' Hugging Face export)
+    topology/     no torch, no Lightning, no other layer but shipped.py (where the presets are)
+    planner/      torch, options, engine, topology, shipped.py, the recipes (never strategies, checkpoint, app,
+                  Lightning)
     strategies/   Lightning and everything above, never the app
     app/, train.py   Hydra (the only ones) and everything
     recipes/      Lightning and torch, never the engine
@@ -92,15 +93,17 @@ def engine_violations(f: Path, source: Optional[str] = None) -> list[str]:
 
 def checkpoint_violations(f: Path, source: Optional[str] = None) -> list[str]:
     lightning = ("lightning",) if f.name == "io.py" else ()
-    return allowed_violations(f, source, "checkpoint", ("torch", *lightning), ("options", "engine", "version", "cli"))
+    recipes = ("recipes",) if f.name == "cli.py" else ()  # the --hf export of the hf_causal_lm recipe
+    return allowed_violations(f, source, "checkpoint", ("torch", *lightning),
+                              ("options", "engine", "version", "cli", *recipes))
 
 
 def topology_violations(f: Path, source: Optional[str] = None) -> list[str]:
-    return allowed_violations(f, source, "topology", (), ())
+    return allowed_violations(f, source, "topology", (), ("shipped",))
 
 
 def planner_violations(f: Path, source: Optional[str] = None) -> list[str]:
-    return allowed_violations(f, source, "planner", ("torch",), ("options", "engine", "topology"))
+    return allowed_violations(f, source, "planner", ("torch",), ("options", "engine", "topology", "shipped", "recipes"))
 
 
 def strategies_violations(f: Path, source: Optional[str] = None) -> list[str]:

@@ -4,7 +4,8 @@ Method: a fresh Python process (no inherited pages) with ``MALLOC_MMAP_THRESHOLD
 is its own mmap, returned to the OS when freed: resident memory then follows live tensors. It records its
 anonymous resident memory (``RssAnon`` of /proc/self/status: heap and tensors, not the library pages a loaded
 machine's kernel may evict and fault back in, which made an RSS high-water mark read 260 instead of 212 MiB once
-in CI) after imports and process-group set-up, builds a GPT (recipes.gpt, fp32, ~3.2M parameters), wraps it in
+in CI) after imports and process-group set-up, builds a GPT (lightning_shard.recipes.gpt, fp32, ~3.2M parameters),
+wraps it in
 the stage-0 engine (gloo, world 1) with Adam and trains 3 steps of 8 x 256 tokens while a thread samples it every
 0.2 ms; the measured peak is the sampled maximum minus that baseline (``ru_maxrss`` is printed beside it). The
 planner's prediction is ``memory.peak_bytes`` for the same layout with activations from the Korthikanti et al.
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent(f"""
     from lightning_shard.engine.comm import collectives as C
     from lightning_shard.engine.engine import ShardEngine
     from lightning_shard.options import options_for
-    from recipes.gpt import GPT
+    from lightning_shard.recipes.gpt import GPT
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     C.init_process_group("gloo", 0, 1, f"tcp://127.0.0.1:{{port}}", timedelta(seconds=60))
     x = torch.randint(0, 256, ({BATCH}, 257))
@@ -91,7 +92,7 @@ def test_predicted_peak_within_25_percent_of_measured_cpu_peak():
     assert out.returncode == 0, out.stderr
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
-    from recipes.gpt import GPT
+    from lightning_shard.recipes.gpt import GPT
 
     model = GPT(**SHAPE)
     groups = groups_of(torch.optim.Adam(model.parameters()))
