@@ -25,7 +25,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_shard.app.config import (
-    CONF_DIR,
     REQUIRED_KEYS,
     build_callbacks,
     build_loggers,
@@ -35,12 +34,13 @@ from lightning_shard.app.config import (
 )
 from lightning_shard.app.preflight import explain, preflight, sweep_combinations
 from lightning_shard.app.run import SweepReport, fit, run_isolated
+from lightning_shard.shipped import CONF_DIR
 
 __all__ = ["CONF_DIR", "REQUIRED_KEYS", "SweepReport", "build_callbacks", "build_loggers", "build_trainer_kwargs",
            "check_config", "explain", "fit", "main", "preflight", "register", "run_isolated", "sweep_combinations"]
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     accumulate = check_config(cfg)  # before any rank is launched
     if HydraConfig.get().mode == RunMode.MULTIRUN:

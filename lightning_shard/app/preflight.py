@@ -7,10 +7,11 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_shard.shipped import CONF_DIR
+
 from .checks import ConfigError, did_you_mean
 from .config import (
     _OWNED_TRAINER_KEYS,
-    CONF_DIR,
     check_config,
     grouped_key_hint,
     owned_key_message,
