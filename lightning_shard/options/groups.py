@@ -12,13 +12,13 @@ from .fields import Fields, check_bool, dtype_name, is_positive, knob
 
 # zero3: a unit holds at least this many MiB of parameters, or joins the unit enclosing it. A collective has a fixed
 # cost besides its bytes: tens of microseconds on NCCL (nccl-tests' small-message latency), ~0.1-1 ms on gloo over
-# loopback plus a Python hook and a thread hand-off (docs/speed.md, "zero3 merges modules smaller than min_unit_mb").
+# loopback plus a Python hook and a thread hand-off (measured by the speed benchmark, docs/benchmarks.md).
 # Below ~1 MiB that fixed cost is most of a unit's gather on either.
 MIN_UNIT_MB = 1.0
 
 # Units gathered ahead of use (``Tuning.prefetch_depth=None``), per unit granularity. zero3's units are single
 # modules, a fraction of a transformer block, so one unit ahead leaves little compute to hide a gather behind; three
-# ahead is about the bytes of fsdp_shard's one block ahead (docs/speed.md, the prefetch round).
+# ahead is about the bytes of fsdp_shard's one block ahead (the speed benchmark's prefetch comparison).
 PREFETCH_DEPTH = {"zero3": 3, "fsdp": 1}
 
 GATHER_QUANT = ("none", "int8")

@@ -181,7 +181,7 @@ def test_collective_counts_per_micro_batch(worlds, stage, policy, rank, via):
 def test_post_step_gather_runs_on_a_group_of_its_own(worlds, stage):
     """zero1/zero2's post-step all-gather, left running until the next forward needs it, is on a copy of the world
     group: Lightning broadcasts a SIGTERM flag on the world group before every batch, which would otherwise wait for
-    the whole gather (measured: docs/speed.md, ninth round). The gradients stay on the world group."""
+    the whole gather (measured by the speed benchmark). The gradients stay on the world group."""
     for res in counted_run(worlds, stage, "defer", 3):
         groups = Counter((tag.split("_bucket")[0], group) for entries in res["per_batch_groups"]
                          for _, tag, group, _ in entries if tag.startswith(("grad_bucket", "param_bucket")))

@@ -83,8 +83,8 @@ def flat_buckets(module: nn.Module, owner: dict[int, Owner], bucket_bytes: int,
     goes, instead of one bucket that is complete only at the end of backward. The cap keeps zero2's per-window
     gradient buffers (and every bucket's all-to-all pieces) at ``bucket_bytes`` (+ padding): glibc maps an allocation
     above its mmap threshold (at most 32 MiB) fresh, page by page, every time, and can serve smaller ones from its
-    heap; the default 25 MiB stays below (the overshoot made Hugging Face GPT-2's second bucket 39.4 MiB;
-    docs/speed.md, seventh round). Buckets are returned in the order they complete in that walk (the position of
+    heap; the default 25 MiB stays below (the overshoot made Hugging Face GPT-2's second bucket
+    39.4 MiB). Buckets are returned in the order they complete in that walk (the position of
     their last parameter), which is the order they are launched in: a bucket never waits for one that completes
     later. Inside a bucket the parameters are ordered by param group (:func:`by_group`)."""
     params: dict[tuple, list[nn.Parameter]] = {}  # the open buckets
