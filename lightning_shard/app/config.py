@@ -56,7 +56,7 @@ def check_config(cfg: DictConfig) -> int:
     """Validate ``cfg`` before any process starts; return the derived ``accumulate_grad_batches``."""
     missing = [k for k in REQUIRED_KEYS if OmegaConf.select(cfg, k, default=None) is None]
     if missing:
-        raise ConfigError(f"config is missing required keys {missing}; set them in conf/ or on the command "
+        raise ConfigError(f"config is missing required keys {missing}; set them in a config or on the command "
                           f"line, e.g. {missing[0]}=...")
     owned = [k for k in _OWNED_TRAINER_KEYS if k in cfg.trainer]
     if owned:

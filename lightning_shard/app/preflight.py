@@ -64,7 +64,7 @@ def explain(err: BaseException, overrides: Sequence[str]) -> str:
             group, _, option = missing.rpartition("/")
             options = list(e.options or []) or _group_options(group)
             if group:
-                return (f"{group}={option}: no such option in conf/{group}/{did_you_mean(option, options)}; "
+                return (f"{group}={option}: no such option in the {group} group{did_you_mean(option, options)}; "
                         f"choose one of: {', '.join(options)}")
             return str(e).splitlines()[0]
     for e in chain:

@@ -180,7 +180,7 @@ def job_overrides(res: Any, recipe: Optional[str] = None) -> tuple[list[str], di
         over += [f"trainer.accelerator={'cpu' if cpu else 'gpu'}",
                  f"trainer.devices={world if subset else topo.devices_per_node}",
                  f"trainer.num_nodes={1 if subset else topo.num_nodes}"]
-        notes.append(f"topology {res.topology_spec or topo.name!r} is not a preset in conf/topology/: the trainer's "
+        notes.append(f"topology {res.topology_spec or topo.name!r} is not a shipped topology preset: the trainer's "
                      "shape is given by hand (trainer.accelerator/devices/num_nodes)")
     if subset and not cpu:
         local = [str(topo.devices[d].local_index) for d in ctx.placement.devices]
@@ -195,11 +195,12 @@ def job_overrides(res: Any, recipe: Optional[str] = None) -> tuple[list[str], di
         if not recipe:
             what = "the model was given by its shape"
         elif (CONF_DIR / "recipe" / f"{recipe}.yaml").is_file():
-            what = (f"{recipe} here is the planning size of planner/models.py; conf/recipe/{recipe}.yaml is a "
+            what = (f"{recipe} here is the planning size of planner/models.py; the recipe {recipe} is a "
                     "different model")
         else:
             what = f"{recipe} is a planning size (planner/models.py), not a Hydra recipe"
-        notes.append(f"{what}: replace {RECIPE_PLACEHOLDER} with your recipe in conf/recipe/")
+        notes.append(f"{what}: replace {RECIPE_PLACEHOLDER} with a recipe (recipe=NAME: "
+                     "a shipped one or one of your config folder, docs/app.md)")
     job = ctx.job
     over += [f"recipe.global_batch_size={world * job.micro_batch * job.accumulation}",
              f"recipe.micro_batch_size={job.micro_batch}", f"trainer.precision={job.precision}"]
