@@ -4,7 +4,7 @@ Works on the plain, resolved config (``OmegaConf.to_container(cfg, resolve=True)
 
 - ``_target_`` importable, and every other key a keyword of the target (close matches suggested);
 - value types against the target's defaults (``bool`` stays bool, numbers stay numbers);
-- value choices read from the options dataclasses (``lightning_shard/options.py``) so they never drift;
+- value choices read from the options dataclasses (``lightning_shard/options``) so they never drift;
 - hybrid sharding needs more than one shard group on the chosen topology;
 - local recipe paths (``recipe.model.name_or_path``) must exist;
 - the batch arithmetic (:func:`lightning_shard.batching.derive_accumulation`).
@@ -115,7 +115,7 @@ def _check_value(key: str, value: Any, default: Any) -> None:
 def check_strategy(node: Mapping[str, Any], islands_per_node: int, num_nodes: int, world_size: int,
                    key: str = "strategy") -> None:
     cls = check_target_node(node, key)
-    # the options of a lightning_shard strategy (lightning_shard/options.py), a group's fields included; another
+    # the options of a lightning_shard strategy (lightning_shard/options), a group's fields included; another
     # target (Lightning's DDP) has its start_method checked against ours
     options = getattr(cls, "OPTIONS", None)
     stage = node.get("stage") if node.get("stage") is not None else getattr(cls, "DEFAULT_STAGE", None)

@@ -4,7 +4,7 @@ Plain dataclasses (no Hydra import here, "Design rules" 1); ``lightning_shard.tr
 ConfigStore under ``schema/<group>/<name>`` and the YAML files (or ``conf/train.yaml`` for groups whose files
 belong to someone else, e.g. ``conf/topology``) list them first in their defaults, so a typo or a wrong type
 fails at composition time with the full key. The strategy schemas are generated from the options dataclasses
-(``lightning_shard/options.py``; a group is a nested node, ``strategy.tuning.bucket_mb``), so
+(``lightning_shard/options``; a group is a nested node, ``strategy.tuning.bucket_mb``), so
 ``conf/strategy/*.yaml`` hold only what differs from the defaults.
 Value *choices* (``accumulation`` per stage, ``start_method`` ...) are checked by
 :mod:`lightning_shard.app.checks`, which reads them from the same dataclasses.
@@ -55,7 +55,7 @@ def _fields(options: type) -> list[tuple[str, Any, Any]]:
 
 def strategy_schema(name: str, options: type, target: str, doc: str) -> type:
     """The structured-config schema of a strategy's options dataclass: ``_target_`` plus every option that is a
-    Hydra key, with its default and an OmegaConf-compatible type (the options themselves: ``options.py``)."""
+    Hydra key, with its default and an OmegaConf-compatible type (the options: ``lightning_shard/options``)."""
     schema = dataclasses.make_dataclass(name, [("_target_", str, field(default=target)), *_fields(options)])
     schema.__doc__, schema.__module__ = doc, __name__
     return schema

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -116,7 +117,12 @@ def print_next_steps(out_dir: str, last_ckpt: Optional[str], module: Any) -> Non
         tool = Path(sys.executable).with_name("lightning-shard")
         tool_cmd = _short(str(tool)) if tool.exists() else "lightning-shard"
         task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-        kept = [o for o in task if not o.startswith(("ckpt_path=", "hydra.", "trainer.max_steps="))]
+        # a config folder of one's own (hydra.searchpath) is needed again to compose the same job
+        searchpath = [o for o in (HydraConfig.get().overrides.hydra if HydraConfig.initialized() else [])
+                      if o.startswith("hydra.searchpath=")]
+        kept = [shlex.quote(o) for o in task + searchpath
+                if not o.startswith(("ckpt_path=", "trainer.max_steps=")) and (not o.startswith("hydra.")
+                                                                                 or o in searchpath)]
         # "last" searches the sibling folders of the default run folder; a run folder of one's own: its path
         own_dir = HydraConfig.initialized() and any(o.startswith("hydra.run.dir=")
                                                     for o in HydraConfig.get().overrides.hydra)

@@ -55,6 +55,7 @@ MODEL_PREFIXES = ("state_dict.", "model.")  # ModelParallelStrategy / ours, FSDP
 
 
 def is_dcp_checkpoint(path: Any) -> bool:
+    """Whether ``path`` is a ``torch.distributed.checkpoint`` directory (it holds DCP's metadata file)."""
     return Path(path).is_dir() and (Path(path) / DCP_METADATA).is_file()
 
 

@@ -49,7 +49,7 @@ def _name(c: Union[str, type]) -> str:
 
 def select(root: nn.Module, spec: Spec) -> list[tuple[str, nn.Module]]:
     """The modules to checkpoint, outermost only, in registration order (the root itself never). ``spec``: the
-    ``activation_checkpointing`` option as validated (``lightning_shard/options.py``)."""
+    ``activation_checkpointing`` option as validated (``lightning_shard/options``)."""
     if spec is None:
         return []
     classes = auto_wrap_classes(root) if spec == "auto" else _classes(spec)

@@ -12,7 +12,7 @@ built from the row's ``StrategyConfig.kwargs()`` (the strategy classes' own knob
 * Python: ``Trainer(strategy=<Class>(<knobs that differ from the class defaults>), devices=..., ...)``.
 
 No Hydra and no Lightning here: the configs are read as YAML, the defaults are the options'
-(``lightning_shard/options.py``), and tests/planner/test_planner_advice.py composes and instantiates every row both
+(``lightning_shard/options``), and tests/planner/test_planner_advice.py composes and instantiates every row both
 ways. A group's fields are dotted keys here (``tuning.bucket_mb``): ``strategy.tuning.bucket_mb=50`` for Hydra,
 ``tuning={"bucket_mb": 50}`` for Python.
 """

@@ -1,7 +1,7 @@
 """What the planner is asked about: a strategy configuration and a job (world, batch, precision).
 
 ``StrategyConfig`` is one planned row: the registered strategy and the options the planner varies (their defaults,
-choices and rules are the options', ``lightning_shard/options.py``), plus how the backend runs its reduce-scatter
+choices and rules are the options', ``lightning_shard/options``), plus how the backend runs its reduce-scatter
 (``reduce_scatter_via``: a property of the machine planned for, not an option). ``kwargs()`` gives what
 ``Trainer(strategy=Registered(**kwargs))`` takes, groups as mappings; ``options()`` the validated options
 themselves. tests/planner/test_planner_advice.py builds every planned row with the real classes.

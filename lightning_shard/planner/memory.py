@@ -33,7 +33,7 @@ them):
 
 ``peak_bytes(...)["at_setup"]`` is what already exists once the strategy is set up, before the first step
 (parameters as the engine lays them out, masters): the peak above a process's memory at train start is ``total -
-at_setup`` (``bench/peak.py`` compares it with the measured per-rank peak that way).
+at_setup`` (the peak-memory benchmark compares it with the measured per-rank peak that way).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ input and output (2h), the log-softmax output the loss saved (V), the gradient o
 token. The logits themselves (V) are freed once the step has returned the loss; at the end of forward, while the
 loss is computed, they and the log-softmax (2V) are all the output layer holds.
 Checked against ``torch.autograd.graph.saved_tensors_hooks`` and the profiler's allocations for HF GPT-2 6 x 384,
-vocab 16384, 4 x 128 tokens, fp32 (``bench/peak.py``): 21.0 MiB per layer, 223.6 MiB at the start of backward.
+vocab 16384, 4 x 128 tokens, fp32 (the peak-memory benchmark's model): 21.0 MiB per layer, 223.6 MiB at the start
+of backward.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from .process_groups import check_job_placement, make_groups
 
 class EngineAdapter:
     """Mixed into a Lightning ``ParallelStrategy`` (Trainer's or Fabric's): ``OPTIONS`` names the options class
-    (``lightning_shard/options.py``), ``DEFAULT_STAGE`` the stage. ``self.options`` holds the validated options:
+    (``lightning_shard/options``), ``DEFAULT_STAGE`` the stage. ``self.options`` holds the validated options:
     the one place the strategy reads them."""
 
     OPTIONS: type[ZeroOptions] = ZeroOptions

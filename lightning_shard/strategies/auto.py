@@ -24,6 +24,9 @@ from .zero3 import Zero3Strategy
 
 
 class AutoStrategy(Zero3Strategy):
+    """The planner's pick: at setup, the strategy, accumulation policy and hybrid layout that
+    ``lightning-shard plan`` recommends for this model, machine and batch (``strategy=auto`` in Hydra)."""
+
     strategy_name = "zero_auto"
     OPTIONS = AutoOptions  # the stage-3 options and the wrap policy: used if the planner picks zero3 / fsdp_shard
     DEFERRED_INIT = False  # the choice is made at setup, after configure_model(): no meta-device init

@@ -73,6 +73,10 @@ def _unwrapped(optimizer: Any) -> Any:
 
 
 class ShardedPrecision(Precision):
+    """Lightning's precision plugin with the optimizer step handed to the engine: ``inner`` (Lightning's plugin for
+    the precision asked for) keeps autocast and dtypes; the engine steps the sharded optimizer, and fp16's loss
+    scaling is ours, its overflow decision agreed on by every rank before anyone steps."""
+
     def __init__(self, inner: Optional[Precision] = None) -> None:
         inner = inner if inner is not None else Precision()
         if isinstance(inner, ShardedPrecision):

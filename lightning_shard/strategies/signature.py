@@ -1,6 +1,6 @@
 """The options of a strategy class, visible where users look: ``help(Zero2Strategy)``, ``inspect.signature``,
 Jupyter/IDE call tips, type checkers, and the class docstring, all derived from the class's ``OPTIONS`` dataclass
-(``lightning_shard/options.py``, where every option is written once).
+(``lightning_shard/options``, where every option is written once).
 
 - :func:`takes_options_of` types a constructor ``(self, **options)`` as taking the options dataclass's keyword-only
   parameters, so static tools (pyright, mypy) see every option with its type and default;
@@ -75,7 +75,7 @@ def describe(cls: type) -> None:
         for g in dataclasses.fields(group):
             lines += _entry(g.name, g.default, g.metadata["doc"], 8)
     doc = (cls.__dict__.get("__doc__") or "").rstrip()
-    cls.__doc__ = (f"{doc}\n\n    Options (keyword arguments, in lightning_shard/options.py; each but ``stage`` is "
+    cls.__doc__ = (f"{doc}\n\n    Options (keyword arguments, in lightning_shard/options; each but ``stage`` is "
                    "also a Hydra key of conf/strategy/, a group's fields as strategy.<group>.<field>; a group may be "
                    "given as a mapping of its fields):\n\n" + "\n".join(lines) + "\n")
 

@@ -38,7 +38,7 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
     """ZeRO stage 0 (data parallel), 1 (sharded optimizer state) or 2 (+ sharded gradients)."""
 
     strategy_name = "zero"
-    OPTIONS: type[ZeroOptions] = ZeroOptions  # the options (lightning_shard/options.py)
+    OPTIONS: type[ZeroOptions] = ZeroOptions  # the options (lightning_shard/options)
     LIGHTNING_ARGS = LIGHTNING_ARGS  # Lightning's own Strategy arguments, passed on
     DEFAULT_STAGE = 2  # ``stage=None``: the class's own (0/1/2 for zero0/1/2)
 
@@ -176,6 +176,8 @@ class ZeroStrategy(CheckpointMixin, EngineAdapter, ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's switch for the micro-batches inside an accumulation window: the engine communicates
+        what the accumulation policy says (nothing under ``defer``) instead of reducing at once."""
         if self.engine is None:
             yield None
             return

@@ -6,6 +6,7 @@ package reads at run time (the Hydra configs and topology presets as package dat
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -89,3 +90,20 @@ def test_a_user_config_folder_composes_with_the_shipped_configs(site, tmp_path):
     assert "name: my_tiny" in cfg and "n_layer: 1" in cfg  # the user's file
     assert "n_embd: 128" in cfg  # inherited from the shipped gpt_tiny
     assert "Zero3Strategy" in cfg  # a shipped group beside it
+
+
+def test_a_run_of_a_user_recipe_prints_a_resume_command_that_finds_it_again(site, tmp_path):
+    """Trains 2 steps of a user's recipe from the installed package; the printed resume command (run as printed)
+    composes the same job again, the user's config folder included, and resumes its checkpoint."""
+    mine = tmp_path / "my_conf" / "recipe"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text("defaults:\n  - gpt_test\n  - _self_\nname: mine\n")
+    first = _run(site, tmp_path, "-m", "lightning_shard.train", f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]",
+                 "recipe=mine", "trainer=quiet", "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (resume,) = [ln.split("resume:", 1)[1] for ln in first.stdout.splitlines() if ln.strip().startswith("resume:")]
+    argv = shlex.split(resume.replace("<more>", "3"))
+    assert any(a.startswith("hydra.searchpath=") for a in argv), resume
+    again = _run(site, tmp_path, *argv[1:])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout + again.stderr and "final val loss (step 3)" in again.stdout

@@ -109,8 +109,8 @@ def practice_table() -> str:
 
 
 def test_docs_table_is_the_practice_table():
-    """docs/planner.md shows what ``practice_table()`` prints now (it had drifted from the code unnoticed before issue
-    16's tenth round): regenerate it with ``python -m tests.planner.test_planner_practice`` when the planner changes."""
+    """docs/planner.md shows what ``practice_table()`` prints now (a copy by hand once drifted from the code
+    unnoticed): regenerate it with ``python -m tests.planner.test_planner_practice`` when the planner changes."""
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
