@@ -5,7 +5,7 @@ Lightning DDP, torch FSDP2 and lightning_shard's strategies with and without off
 The model is the peak suite's (``bench_peak.py``): Hugging Face GPT-2, width 384, 6 heads, vocab 16384, seq 128,
 micro-batch 4 per rank, AdamW fp32, 2 warmup + 3 timed steps, 2 CPU ranks, each rank under the peak suite's malloc
 environment; each measurement is one peak-suite run (``driver.run_one``) at a chosen depth, the search and the table
-are ``bench/budget.py``. Writes ``bench/results/budget.json`` and ``bench/results/budget.md``::
+are ``bench/budget.py``. Writes ``bench/results/budget_<hardware>_<date>.{json,md}`` (``naming.py``)::
 
     .venv/bin/python bench/bench_budget.py                         # 13 variants, 1024 MiB/rank
     .venv/bin/python bench/bench_budget.py --budget-mib 900 --variants ddp zero3 zero3_ac
@@ -53,9 +53,10 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before giving up")
     p.add_argument("--quick", action="store_true", help="smoke run: width 192, depths 1 and 2, ddp and zero3")
-    p.add_argument("--out-dir", default=str(RESULTS), help="where budget.json / budget.md go")
+    p.add_argument("--out-dir", default=str(RESULTS),
+                   help="where budget_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
     p.add_argument("--reuse", default=None, metavar="BUDGET_JSON",
-                   help="take the good runs of an earlier budget.json of the same job (any budget) instead of "
+                   help="take the good runs of an earlier budget_*.json of the same job (any budget) instead of "
                         "measuring them again; only the missing or failed ones run")
     p.add_argument("--time-pass", action="store_true",
                    help="after the search, run every variant once more at --time-depth, back to back, for the "

@@ -17,9 +17,10 @@ as the engine does:
 * ``broadcasts as gather``: N broadcasts, rank j's from its own 1/N of the full tensor, all launched before any is
   waited (what the engine does with ``all_gather_via="broadcast"``, gloo's default: in place, the all-gather's bytes).
 
-Writes ``bench/results/collectives.{json,md}``::
+Writes ``bench/results/collectives_<hardware>_<date>.{json,md}`` (``naming.py``; with ``--backend nccl`` the hardware
+is the GPU's model)::
 
-    .venv/bin/python bench/bench_collectives.py                      # gloo, world 2 and 4, 0.5-32 MiB
+    .venv/bin/python bench/bench_collectives.py                      # the suite: gloo, world 2 and 4, 0.25-88 MiB
     .venv/bin/python bench/bench_collectives.py --worlds 2 --sizes-mib 1 25 100
 
 No thresholds: this script reports, it does not judge.
@@ -36,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from naming import result_stem
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OPS = ("reduce_scatter", "all_reduce+slice", "all_to_all+sum", "all_gather", "all_reduce as gather",
@@ -144,10 +147,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[0.5, 2, 8, 25, 32])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1, 4, 25, 88])
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=str(RESULTS),
+                   help="where collectives_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
     args = p.parse_args()
     import torch.multiprocessing as mp
 
@@ -171,10 +175,12 @@ def main() -> None:
            "command": " ".join([Path(sys.executable).name] + sys.argv), "wall_s": time.perf_counter() - t0}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "collectives.json").write_text(json.dumps(doc, indent=1))
+    stem = result_stem("collectives", device="cuda" if args.backend == "nccl" else "cpu")
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     md = markdown(doc)
-    (out_dir / "collectives.md").write_text(md)
+    (out_dir / f"{stem}.md").write_text(md)
     print(md)
+    print(f"wrote {out_dir / stem}.json, {out_dir / stem}.md")
 
 
 if __name__ == "__main__":

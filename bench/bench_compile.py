@@ -3,7 +3,7 @@ recipe GPT's blocks compiled in place against eager, the time of the first (comp
 breaks. Every job is a fresh pair of processes (Fabric's launcher), 1 thread each, gloo; jobs alternate their
 order (ABC CBA); tokens/s is the best of the repeats.
 
-    .venv/bin/python bench/bench_compile.py                    # -> bench/results/compile.{json,md}
+    .venv/bin/python bench/bench_compile.py            # -> bench/results/compile_<hardware>_<date>.{json,md}
     .venv/bin/python bench/bench_compile.py --repeats 1 --steps 4 --variants zero2
 
 The peer of zero3 / fsdp_shard is torch FSDP2 (``fully_shard`` on each block, then the model) through Lightning
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from naming import result_stem
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp_shard", "fsdp2")
@@ -99,7 +101,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"),
+                    help="where compile_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
     ap.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -128,9 +131,10 @@ def main() -> None:
                   flush=True)
     doc = {"command": " ".join(["python", *sys.argv]), "wall_s": time.perf_counter() - t0, "args": vars(args),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "results": results}
-    Path(args.out_dir, "compile.json").write_text(json.dumps(doc, indent=1))
-    Path(args.out_dir, "compile.md").write_text(report(doc))
-    print(f"wrote {Path(args.out_dir) / 'compile.md'}")
+    stem = result_stem("compile")  # naming.py
+    Path(args.out_dir, f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    Path(args.out_dir, f"{stem}.md").write_text(report(doc))
+    print(f"wrote {Path(args.out_dir) / stem}.json, {Path(args.out_dir) / stem}.md")
 
 
 def _compile_s(run: dict) -> float:

@@ -5,9 +5,10 @@ One run trains Hugging Face GPT-2 (``transformers.GPT2LMHeadModel``, 6 layers x 
 tied embedding, dropout 0: ~17M parameters; synthetic tokens, fixed seed, fp32 AdamW) for 2 warmup + 3 timed steps
 per variant, each variant in a fresh Python process with N CPU ranks (gloo, 1 thread per rank), every rank started
 with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536`` so that the peak follows the live tensors, and
-writes ``bench/results/peak.json`` and ``bench/results/peak.md``::
+writes ``bench/results/peak_<hardware>_<date>.{json,md}`` (``naming.py``)::
 
-    .venv/bin/python bench/bench_peak.py                       # 2 ranks, ~17M parameters
+    .venv/bin/python bench/bench_peak.py --sizes 20x512        # the suite: 2 ranks, ~17M and ~72M parameters
+    .venv/bin/python bench/bench_peak.py                       # 2 ranks, ~17M parameters only
     .venv/bin/python bench/bench_peak.py --quick               # smoke run (2 x 192, 1 + 1 steps)
     .venv/bin/python bench/bench_peak.py --devices 1           # or 4: any world size
     .venv/bin/python bench/bench_peak.py --sizes 24x512        # + a row set at 24 x 512 (~84M parameters)

@@ -1,18 +1,20 @@
-"""The engine's overhead at world 1, measured step by step against a plain torch loop in the same process.
+"""The world-1 suite: the engine's overhead at world 1, measured step by step against a plain torch loop in the same
+process.
 
 Separate runs of each strategy cannot resolve a few percent on a shared machine: the same plain loop, unchanged,
-ran 12% slower in one process than in the next (bench/bench_backward.py, docs/speed.md sixth round). Here one
-process at world 1 (gloo, one thread) holds a plain model and one model per strategy, all the same Hugging Face
-GPT-2 (6 x 384, vocab 16384, ~17M parameters, the speed suite's world-1 model) with fp32 AdamW, and trains them in
-turns, one optimizer step each per round, the order rotated every round. Each strategy's step is compared with the
-plain step of the same round (seconds apart), so a slow spell of the machine moves both.
+ran 12% slower in one process than in the next. Here one process at world 1 (gloo, one thread) holds a plain model
+and one model per strategy, all the same Hugging Face GPT-2 (6 x 384, vocab 16384, ~17M parameters, the speed
+suite's model) with fp32 AdamW, and trains them in turns, one optimizer step each per round, the order rotated every
+round. Each strategy's step is compared with the plain step of the same round (seconds apart), so a slow spell of the
+machine moves both.
 
 The strategies are ``ShardEngine`` driven as the Lightning/Fabric adapters drive it (``pre_backward``/
 ``post_backward`` around ``backward``, ``prepare_step``/``finish_step`` around ``optimizer.step``, the stage-3
 controller's forward hooks), default knobs, zero3's units and fsdp_shard's ``wrap_classes="auto"``; what is measured
 is the engine (hooks, flat buffers, copies, chunked optimizer), not Lightning's strategy layer around it.
 
-    .venv/bin/python bench/bench_interleaved.py --rounds 30 --profile-steps 3   # bench/results/interleaved.{json,md}
+    .venv/bin/python bench/bench_world1.py      # 30 rounds -> bench/results/world1_<hardware>_<date>.{json,md}
+    .venv/bin/python bench/bench_world1.py --rounds 30 --profile-steps 3   # and each model's costliest ops
 
 ``--profile-steps n`` then runs n more steps of each model in turn under torch.profiler and lists each one's
 costliest ops (self CPU ms per step): where a difference between the models comes from, or that it comes from an op
@@ -32,12 +34,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from naming import result_stem
+
 HERE = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_shard": 3}
 
 
-# the speed suite's world-1 model (bench/variants.py builds it for every suite)
+# the speed suite's HF GPT-2 (bench/variants.py builds it for every suite)
 MODEL = argparse.Namespace(model="hf_gpt2", n_layer=6, n_embd=384, n_head=6, vocab=16384, block_size=128)
 
 
@@ -103,11 +107,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["zero1", "zero2", "zero3", "fsdp_shard"],
                    choices=sorted(STAGES))
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of every model each)")
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds (one step of every model each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then, model by model, this many steps under torch.profiler: each one's costliest ops")
-    p.add_argument("--out", default=str(RESULTS / "interleaved"), help="path stem of the .json and .md written")
+    p.add_argument("--out-dir", default=str(RESULTS),
+                   help="where world1_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
     args = p.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -142,7 +147,7 @@ def main() -> None:
     def quart(xs):  # quartiles (one round: the value itself)
         return statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
 
-    result = {"command": "python bench/bench_interleaved.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+    result = {"command": "python bench/bench_world1.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
               "python": platform.python_version(), "rounds": args.rounds, "warmup": args.warmup,
               "final_loss": losses, "profile_steps": args.profile_steps, "profiles": profiles, "variants": {}}
     base = rows["plain"]
@@ -175,11 +180,12 @@ def main() -> None:
                   "each model in turn (after the timed rounds):", ""]
         for n in names:
             lines.append(f"- {n}: " + ", ".join(f"{op} {ms:.1f}" for op, ms in profiles[n][:8]))
-    out = Path(args.out)
+    out = Path(args.out_dir) / result_stem("world1")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {out}.json, {out}.md")
 
 
 if __name__ == "__main__":

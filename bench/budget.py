@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from driver import machine_info, run_one, variant_env
+from naming import result_stem
 from peak import PEAK_MALLOC_ENV
 from variants import NOTES, model_param_count, split_variant
 
@@ -310,7 +311,7 @@ def markdown(doc: dict[str, Any]) -> str:
         + f", one run of {m['timed_steps']} timed steps per variant, on a 2-core "
         "machine shared with other workers (load = the 1-min load average read right after that run; 2 = the "
         "two ranks alone): noisy, a factor of 2 or more between runs of one variant under changing load "
-        "(compare the step times of the runs at other depths in budget.json); read only large ratios, with "
+        "(compare the step times of the runs at other depths in the JSON); read only large ratios, with "
         "their loads.",
         "- Peak = VmHWM over the whole process (imports, setup and training), max over ranks; it includes the "
         "interpreter, torch, Lightning and transformers (the intercept a), not only tensors. Activation "
@@ -361,7 +362,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if len(shas) > 1:
         lines.append(f"- The lightning_shard code on disk changed during this run ({len(shas)} versions of "
                      "`lightning_shard/**/*.py` seen; others were working in the repository): runs may have imported "
-                     "different code (each run's `code_sha256_start`/`_end` in budget.json).")
+                     "different code (each run's `code_sha256_start`/`_end` in the JSON).")
     return "\n".join(lines) + "\n"
 
 
@@ -371,7 +372,7 @@ JOB_KEYS = ("model", "n_embd", "n_head", "vocab", "block_size", "batch_size", "s
 
 
 def job_of_machine(m: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The job of a budget.json written without a ``job`` entry, from its machine block (its seed: the default)."""
+    """The job of a budget JSON written without a ``job`` entry, from its machine block (its seed: the default)."""
     mod = m["model"]
     return {"model": mod.get("kind", "hf_gpt2"), "n_embd": mod["n_embd"], "n_head": mod["n_head"],
             "vocab": mod["vocab"], "block_size": mod["block_size"], "batch_size": m["micro_batch_per_rank"],
@@ -380,7 +381,7 @@ def job_of_machine(m: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def load_prior(args: argparse.Namespace, path: str) -> tuple[dict[tuple[str, int], dict[str, Any]], dict[str, Any]]:
-    """Good runs of an earlier ``budget.json`` for the same job (any budget: a run's peak does not depend on it)."""
+    """Good runs of an earlier budget JSON for the same job (any budget: a run's peak does not depend on it)."""
     doc = json.loads(Path(path).read_text())
     job = {k: getattr(args, k) for k in JOB_KEYS}
     theirs = doc.get("job") or job_of_machine(doc["machine"], args.seed)
@@ -465,9 +466,10 @@ def run_budget(args: argparse.Namespace) -> dict[str, Any]:
         "results": rows,
     } | ({"reused_from": reused_from} if reused_from else {})
     out = Path(args.out_dir)
-    (out / "budget.json").write_text(json.dumps(doc, indent=1))
+    stem = result_stem("budget")  # naming.py: budget_<hardware>_<date>
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     md = markdown(doc)
-    (out / "budget.md").write_text(md)
+    (out / f"{stem}.md").write_text(md)
     print("\n" + md, flush=True)
-    print(f"wrote {out / 'budget.json'}, {out / 'budget.md'}")
+    print(f"wrote {out / stem}.json, {out / stem}.md")
     return doc

@@ -1,32 +1,22 @@
-"""Command line and multi-process driver of the sharding benchmarks (``bench_zero12.py``, ``bench_zero3.py`` and
-``bench_unused.py`` are thin entry points; ``python bench/driver.py --variant V --rank-out P`` is one variant's run).
+"""Command line and multi-process driver of the peak and speed suites (``bench_peak.py`` and ``bench_speed.py`` are
+their entry points, ``bench_budget.py`` measures through :func:`run_one`; ``python bench/driver.py --variant V
+--rank-out P`` is one variant's run).
 
-Three suites, each a table of variants trained on the same small GPT (the recipe
-``lightning_shard.recipes.gpt.GPT``; synthetic
-tokens, fixed seed, AdamW), each variant in a fresh Python process with N CPU ranks (gloo, 1 thread per rank):
+Each suite is a table of variants trained on the same model (Hugging Face GPT-2 by default, ``--model gpt`` the recipe
+``lightning_shard.recipes.gpt.GPT``; synthetic tokens, fixed seed, AdamW), each variant in a fresh Python process with
+N CPU ranks (gloo, 1 thread per rank):
 
-* ``zero12`` -> ``bench/results/zero12.{json,md}``: ``zero0``/``zero1``/``zero2`` (lightning_shard), ``ddp``
-  (Lightning ``DDPStrategy``), ``zero_r`` (``torch.distributed.optim.ZeroRedundancyOptimizer`` wrapping AdamW,
-  returned from ``configure_optimizers`` under Lightning ``DDPStrategy``).
-* ``zero3`` -> ``bench/results/zero3.{json,md}``: ``zero3`` (lightning_shard ``Zero3Strategy``, every module with
-  parameters a unit), ``fsdp_shard`` (``FSDPShardStrategy(wrap_classes=[lightning_shard.recipes.gpt.Block])``),
-  ``fsdp2`` (torch
-  FSDP2 ``fully_shard`` applied per block then to the GPT root in ``configure_model()``, run by Lightning's
-  ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` on gloo), ``ddp`` (reference).
-* ``unused`` -> ``bench/results/unused.{json,md}``: what leaving parameters without gradients out of the step
-  costs (``find_unused_parameters=True``, the default: one all-reduce of a byte per parameter per optimizer step)
-  against ``False`` (no exchange), for zero2 and zero3, side by side in one run.
-* ``peak`` -> ``bench/results/peak.{json,md}`` (``bench_peak.py``): peak memory per rank of ``ddp``, ``zero0``,
-  ``zero1``, ``zero2``, ``fsdp2``, ``zero3``, ``fsdp_shard`` (default knobs) on Hugging Face GPT-2
-  (``--model hf_gpt2``, its default), every rank started with ``MALLOC_MMAP_THRESHOLD_=65536
-  MALLOC_TRIM_THRESHOLD_=65536`` so that glibc returns large frees and the peak follows live tensors; against the
-  ZeRO formula's saving per rung. ``--sizes 6x384 24x512`` adds row sets of other sizes to the same table.
-* ``all``: the zero12, zero3 and unused tables in one go (a variant measured for an earlier table is reused in a
-  later one); not ``peak``, which has its own model defaults and malloc environment.
+* ``peak`` -> ``bench/results/peak_<hardware>_<date>.{json,md}`` (``bench_peak.py``): peak memory per rank of ``ddp``,
+  ``zero0``, ``zero1``, ``zero2``, ``fsdp2``, ``zero3``, ``fsdp_shard`` (default options), every rank started with
+  ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=65536`` so that glibc returns large frees and the peak follows
+  live tensors; against the ZeRO formula's saving per rung. ``--sizes 6x384 24x512`` adds row sets of other sizes to
+  the same table.
+* ``speed`` -> ``bench/results/speed_<hardware>_<date>.{json,md}`` (``bench_speed.py``, its tables: ``speed.py``).
 
 Every variant uses a launcher that starts each rank as its own fresh interpreter, so peak RSS is per rank. Where
 the modules are: ``variants.py`` (suites, model, module and strategy per variant), ``rank.py`` (one rank's fit),
-``measure.py`` (what a rank measures, its result file), ``wire.py`` (bytes on the wire), ``report.py`` (Markdown).
+``measure.py`` (what a rank measures, its result file), ``wire.py`` (bytes on the wire), ``peak.py`` (the peak
+table), ``naming.py`` (the result's file name).
 
 No speed thresholds: this script reports, it does not judge.
 """
@@ -43,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from peak import PEAK_MALLOC_ENV, add_planner, code_state, peak_fields, sizes_of
-from report import MARKDOWN
-from variants import ALL_SUITES, MODELS, NOTES, SUITES, VARIANTS, model_param_count, suite_variants, unit_param_counts
+from naming import result_stem
+from peak import PEAK_MALLOC_ENV, add_planner, code_state, markdown_peak, peak_fields, sizes_of
+from variants import MODELS, NOTES, SUITES, VARIANTS, model_param_count, suite_variants, unit_param_counts
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -97,9 +87,10 @@ def child_argv(args: argparse.Namespace, variant: str, rank_out: Path) -> list[s
 
 
 def suite_outputs(args: argparse.Namespace, suite: str) -> tuple[Path, Path]:
-    single = len(args.suites) == 1
-    out_json = Path(args.out_json) if single and args.out_json else Path(args.out_dir) / f"{suite}.json"
-    out_md = Path(args.out_md) if single and args.out_md else Path(args.out_dir) / f"{suite}.md"
+    """``--out-json`` / ``--out-md``, else ``<out-dir>/<suite>_<hardware>_<date>.{json,md}`` (``naming.py``)."""
+    stem = result_stem(suite)
+    out_json = Path(args.out_json) if args.out_json else Path(args.out_dir) / f"{stem}.json"
+    out_md = Path(args.out_md) if args.out_md else Path(args.out_dir) / f"{stem}.md"
     return out_json, out_md
 
 
@@ -121,49 +112,38 @@ def run_all(args: argparse.Namespace) -> None:
         written = run_speed(args, run_suite, env, info, SUITES["speed"])
         print(f"wrote {', '.join(written)}")
         return
+    suite = args.suite  # the peak suite: its row sets (``--sizes``), the planner beside the measurement
     print(f"model: {args.model} {info['params'] / 1e6:.1f}M params ({info['param_mib_fp32']:.0f} MiB fp32); "
           f"{args.devices} ranks x 1 thread; {args.warmup} warmup + {args.steps} timed steps; "
-          f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite(s) {', '.join(args.suites)}"
-          + (f"; env {' '.join(f'{k}={v}' for k, v in PEAK_MALLOC_ENV.items())}" if args.suite == "peak" else ""),
-          flush=True)
-    done: dict[str, tuple[str, dict[str, Any]]] = {}  # variant -> (suite that ran it, merged result)
-    written = []
-    for suite in args.suites:
-        variants = [v for v in suite_variants(suite) if v in args.variants]
-        if not variants:
-            print(f"suite {suite}: no selected variant, skipped", flush=True)
-            continue
-        tmp = Path(args.out_dir) / f"{suite}.tmp"  # per-rank files and logs (default: bench/results/<suite>.tmp)
-        tmp.mkdir(parents=True, exist_ok=True)
-        t_suite = time.perf_counter()
-        row_sets = []
-        for i, size_args in enumerate(sizes_of(args) if suite == "peak" else [args]):
-            t_set = time.perf_counter()
-            if i:
-                n = model_param_count(size_args)
-                print(f"row set {i + 1}: {size_args.n_layer} layers x {size_args.n_embd} wide, {size_args.n_head} "
-                      f"heads: {n / 1e6:.1f}M params", flush=True)
-            tag = "" if not i else f"{size_args.n_layer}x{size_args.n_embd}."
-            results = run_suite(size_args, suite, variants, tmp, env, done, tag)
-            if suite == "peak":  # the planner's prediction for the same job beside the measurement
-                add_planner(size_args, results)
-            row_sets.append({"model": model_info(size_args), "results": results,
-                             "wall_s": time.perf_counter() - t_set})
-        wall = time.perf_counter() - t_suite
-        doc = {"suite": suite, "machine": info, "command": " ".join([Path(sys.executable).name] + sys.argv),
-               "wall_s": wall, "results": row_sets[0]["results"]}
-        if suite == "peak":  # the default size's rows are ``results``; further sizes, each with its model
-            doc["row_set_wall_s"] = row_sets[0]["wall_s"]
-            doc["row_sets"] = row_sets[1:]
-        out_json, out_md = suite_outputs(args, suite)
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(doc, indent=1))
-        md = MARKDOWN[suite](doc)
-        out_md.parent.mkdir(parents=True, exist_ok=True)
-        out_md.write_text(md)
-        print("\n" + md, flush=True)
-        written += [str(out_json), str(out_md)]
-    print(f"wrote {', '.join(written)}")
+          f"{info['tokens_per_step_per_rank']} tokens/step/rank; suite {suite}; "
+          f"env {' '.join(f'{k}={v}' for k, v in PEAK_MALLOC_ENV.items())}", flush=True)
+    variants = [v for v in suite_variants(suite) if v in args.variants]
+    tmp = Path(args.out_dir) / f"{suite}.tmp"  # per-rank files and logs (default: bench/results/<suite>.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    t_suite = time.perf_counter()
+    row_sets = []
+    for i, size_args in enumerate(sizes_of(args)):
+        t_set = time.perf_counter()
+        if i:
+            n = model_param_count(size_args)
+            print(f"row set {i + 1}: {size_args.n_layer} layers x {size_args.n_embd} wide, {size_args.n_head} "
+                  f"heads: {n / 1e6:.1f}M params", flush=True)
+        tag = "" if not i else f"{size_args.n_layer}x{size_args.n_embd}."
+        results = run_suite(size_args, suite, variants, tmp, env, {}, tag)
+        add_planner(size_args, results)  # the planner's prediction for the same job beside the measurement
+        row_sets.append({"model": model_info(size_args), "results": results, "wall_s": time.perf_counter() - t_set})
+    # the default size's rows are ``results``; further sizes, each with its model, in ``row_sets``
+    doc = {"suite": suite, "machine": info, "command": " ".join([Path(sys.executable).name] + sys.argv),
+           "wall_s": time.perf_counter() - t_suite, "results": row_sets[0]["results"],
+           "row_set_wall_s": row_sets[0]["wall_s"], "row_sets": row_sets[1:]}
+    out_json, out_md = suite_outputs(args, suite)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(doc, indent=1))
+    md = markdown_peak(doc)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(md)
+    print("\n" + md, flush=True)
+    print(f"wrote {out_json}, {out_md}")
 
 
 def run_suite(args: argparse.Namespace, suite: str, variants: list[str], tmp: Path, env: dict[str, str],
@@ -330,27 +310,26 @@ def summarize(variant: str, ranks: list[dict[str, Any]], wall: float) -> dict[st
     } | (peak_fields(variant, ranks) if "train_peak_rss_bytes" in ranks[0] else {})
 
 
-def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
+def parse_args(argv: Optional[list[str]] = None, default_suite: str = "peak",
                description: Optional[str] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(description or __doc__ or "").split("\n\n")[0])
-    p.add_argument("--suite", choices=(*SUITES, "all"), default=default_suite,
-                   help=f"which table(s): zero12 {SUITES['zero12']}, zero3 {SUITES['zero3']}, unused, peak "
-                        f"{SUITES['peak']}, or all ({', '.join(ALL_SUITES)}) (default {default_suite})")
+    p.add_argument("--suite", choices=tuple(SUITES), default=default_suite,
+                   help=f"which suite: peak {SUITES['peak']} or speed {SUITES['speed']} (default {default_suite})")
     p.add_argument("--model", choices=MODELS, default=None,
-                   help="gpt: the recipe GPT (default of the zero12/zero3/unused suites); hf_gpt2: Hugging Face "
-                        "GPT2LMHeadModel (default of the peak suite)")
+                   help="hf_gpt2: Hugging Face GPT2LMHeadModel (the default); gpt: the recipe GPT (the speed suite: "
+                        "its main table runs both, --model narrows it to one)")
     p.add_argument("--sizes", nargs="+", default=[], metavar="LxE[xH]",
                    help="peak suite: further row sets at these sizes (layers x width [x heads; default width/64 for "
                         "hf_gpt2]), e.g. --sizes 24x512 for ~84M parameters; the run's own size comes first. Speed "
                         "suite: the sizes table's row sets instead of its four (recipe GPT)")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                   help="restrict the suite(s) to these variants (default: all of the suite's)")
+                   help="these variants, the suite's own and its opt-in ones (default: the suite's table)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps per variant")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
     p.add_argument("--n-layer", type=int, default=None)
     p.add_argument("--n-head", type=int, default=None, help="default 8 (gpt), width/64 (hf_gpt2)")
     p.add_argument("--n-embd", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=None, help="default 8192 (peak suite 16384)")
+    p.add_argument("--vocab", type=int, default=None, help="default 16384 (the speed suite's recipe GPT rows 8192)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step")
     p.add_argument("--repeats", type=int, default=None,
@@ -361,16 +340,17 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
                    help="steps after the timed ones run under torch.profiler for the engine phase times (0: none; "
                         "default 2, peak suite 0)")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--tables", nargs="+", default=["main"], choices=("main", "world1", "scaling", "sizes", "all"),
-                   help="speed suite: which tables (speed.py): main (ours and the peers, two models), world1 "
-                        "(overhead vs plain one-device Lightning), scaling (world 1/2/4), sizes; all: all four")
+    p.add_argument("--tables", nargs="+", default=["main"], choices=("main", "scaling", "sizes", "all"),
+                   help="speed suite: which tables (speed.py): main (ours and the peers, two models; the suite's "
+                        "result), scaling (world 1/2/4), sizes; all: all three")
     p.add_argument("--quick", action="store_true", help="~1 minute smoke run per suite (smaller model, few steps)")
     p.add_argument("--no-comm-hook", dest="comm_hook", action="store_false",
                    help="plain DDP (no counting hook): DDP/ZeRO-R bytes are then computed, not measured")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant before giving up")
-    p.add_argument("--out-dir", default=str(RESULTS), help="where <suite>.json / <suite>.md go")
-    p.add_argument("--out-json", default=None, help="JSON path (only when a single suite runs)")
-    p.add_argument("--out-md", default=None, help="Markdown path (only when a single suite runs)")
+    p.add_argument("--out-dir", default=str(RESULTS),
+                   help="where <suite>_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
+    p.add_argument("--out-json", default=None, help="JSON path instead (only when a single table runs)")
+    p.add_argument("--out-md", default=None, help="Markdown path instead (only when a single table runs)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one variant, one rank
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -380,14 +360,10 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
                     vocab=16384, profile_steps=2)
         quick = dict(full, repeats=1, steps=2, warmup=1, n_layer=2, n_embd=128, batch_size=2)
         args.comm_hook = False
-    elif args.suite == "peak":  # HF GPT-2 ~17M, a few steps (timing is not the point), no profiled steps
+    else:  # the peak suite: HF GPT-2 ~17M, a few steps (timing is not the point), no profiled steps
         full = dict(model="hf_gpt2", repeats=1, steps=3, warmup=2, n_layer=6, n_embd=384, batch_size=4, vocab=16384,
                     profile_steps=0)
         quick = dict(full, steps=1, warmup=1, n_layer=2, n_embd=192)
-    else:
-        full = dict(model="gpt", repeats=2, steps=12, warmup=3, n_layer=6, n_embd=512, batch_size=4, vocab=8192,
-                    profile_steps=2)
-        quick = dict(full, repeats=1, steps=5, warmup=2, n_layer=2, n_embd=256, batch_size=2)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -410,22 +386,17 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
         if dims[1] % n_head:
             p.error(f"--sizes {spec}: width {dims[1]} is not divisible by {n_head} heads")
         sizes.append((dims[0], dims[1], n_head))
-    if sizes and args.suite not in ("peak", "speed"):
-        p.error("--sizes is for the peak suite (row sets of one table) and the speed suite's sizes table")
     args.sizes = sizes
-    args.suites = list(ALL_SUITES) if args.suite == "all" else [args.suite]
-    args.tables = ["main", "world1", "scaling", "sizes"] if "all" in args.tables else list(dict.fromkeys(args.tables))
+    args.tables = ["main", "scaling", "sizes"] if "all" in args.tables else list(dict.fromkeys(args.tables))
     args.variants_given = args.variants is not None
-    in_suites = [v for s in args.suites for v in SUITES[s]]
     if args.variants is None:
-        args.variants = list(dict.fromkeys(in_suites))
+        args.variants = list(SUITES[args.suite])
     elif not args.variant:
-        runnable = {x for s in args.suites for x in suite_variants(s)}  # the tables' variants and the opt-in ones
-        stray = [v for v in args.variants if v not in runnable]
+        stray = [v for v in args.variants if v not in suite_variants(args.suite)]  # the table's and the opt-in ones
         if stray:
-            p.error(f"variant(s) {stray} are not in suite {args.suite}; use --suite all or the suite that has them")
-    if (args.out_json or args.out_md) and (len(args.suites) > 1 or len(args.tables) > 1):
-        p.error("--out-json/--out-md name one table's files; with --suite all or several --tables use --out-dir")
+            p.error(f"variant(s) {stray} are not in suite {args.suite}")
+    if (args.out_json or args.out_md) and len(args.tables) > 1:
+        p.error("--out-json/--out-md name one table's files; with several --tables use --out-dir")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if args.repeats < 1:
@@ -437,7 +408,7 @@ def parse_args(argv: Optional[list[str]] = None, default_suite: str = "zero12",
     return args
 
 
-def main(default_suite: str = "zero12", description: Optional[str] = None) -> None:
+def main(default_suite: str = "peak", description: Optional[str] = None) -> None:
     args = parse_args(default_suite=default_suite, description=description)
     if args.variant:
         from rank import run_variant

@@ -14,9 +14,10 @@ Phases, each in a fresh worker process (``--worker PHASE``) with a deadline, in 
   FSDP2 ``fully_shard``, tokens/s and MFU side by side, with the profiler's phase labels.
 * ``tests`` (gpu_tests.py): the suite's GPU-only tests (found by their ``skipif`` on CUDA), run by node id.
 
-Writes ``gpu_check.json`` and ``gpu_check.md`` (``--cpu``: ``gpu_check_cpu.*``) under ``--out-dir`` after every
-check. Exit status: 0 every check passed; 1 a check failed (the first one is printed with its numbers; without
-``--keep-going`` nothing runs after it); 3 a phase ran out of its time budget. Nothing here asserts a speed: the
+Writes ``gpu_check_<hardware>_<date>.json`` and ``.md`` (``naming.py``: e.g. ``gpu_check_h200_2026-12-06``;
+``--cpu``: ``gpu_check_cpu<cores>_<date>``) under ``--out-dir`` (default ``bench/results``) after every check. Exit
+status: 0 every check passed; 1 a check failed (the first one is printed with its numbers; without ``--keep-going``
+nothing runs after it); 3 a phase ran out of its time budget. Nothing here asserts a speed: the
 speed goals (<= 3% against plain training, at least FSDP2's tokens/s) are reported.
 """
 
@@ -49,6 +50,7 @@ from gpu_common import (  # noqa: E402
     quiet_lightning,
     save_doc,
 )
+from naming import result_stem  # noqa: E402
 
 # seconds each phase may take (CUDA: ~6 minutes in all on one H200; CPU: tiny sizes, about a minute and a half on 2
 # cores); a phase that ends early leaves its time to the next ones; --budget-s bounds the whole run
@@ -59,8 +61,10 @@ DEFAULT_BUDGET = {"cuda": 360, "cpu": 240}
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU with gloo (CI); results in gpu_check_cpu.*")
-    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"), help="where the .json and .md go")
+    p.add_argument("--cpu", action="store_true",
+                   help="tiny sizes on CPU with gloo (CI); results in gpu_check_cpu<cores>_<date>.*")
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"),
+                   help="where gpu_check_<hardware>_<date>.json / .md go (naming.py; default bench/results)")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"the whole run's time budget in seconds (default {DEFAULT_BUDGET})")
@@ -74,7 +78,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "matches RUN (fnmatch), e.g. 'parity/small_tf/32-true/zero2=1e-3'")
     p.add_argument("--worker", choices=PHASES, help=argparse.SUPPRESS)  # one phase, in its own process
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # the worker's, epoch seconds
-    return p.parse_args(argv)
+    p.add_argument("--stem", default=None, help=argparse.SUPPRESS)  # the result's file name: the orchestrator's
+    args = p.parse_args(argv)
+    if args.stem is None:  # named once per run (the orchestrator hands it to every worker): one file across midnight
+        args.stem = result_stem("gpu_check", device="cpu" if args.cpu else "cuda")
+    return args
 
 
 # ============================================================================================ one phase (worker)
@@ -124,7 +132,7 @@ def worker_env(args: argparse.Namespace, phase: str) -> dict[str, str]:
 def run_phase(args: argparse.Namespace, phase: str, timeout: float) -> tuple[int, float, bool]:
     """The phase's worker, killed with its whole process group (its ranks included) past ``timeout``."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, "--deadline", str(time.time() + timeout),
-            "--out-dir", str(args.out_dir)]
+            "--out-dir", str(args.out_dir), "--stem", args.stem]
     argv += ["--cpu"] * args.cpu + ["--keep-going"] * args.keep_going
     argv += [a for item in args.perturb for a in ("--perturb", item)]
     argv += ["--perf", *args.perf] if args.perf else []

@@ -1,10 +1,10 @@
 """What every phase of the GPU check shares: the result document, the checks and how a wrong one fails.
 
-One JSON document (``gpu_check.json``, or ``gpu_check_cpu.json`` for ``--cpu``) and its Markdown twin are rewritten
-after every check, by the phase worker that runs it, so a run killed at any moment leaves what it had measured. A
-check compares a number with a bound against something independent of the engine (a plain Lightning or plain torch
-run, a formula); the first one that fails prints a banner naming it with its numbers and, unless ``--keep-going``,
-ends the phase (and the orchestrator stops there) with a non-zero exit code.
+One JSON document (``gpu_check_<hardware>_<date>.json``, ``args.stem``: ``naming.py``) and its Markdown twin are
+rewritten after every check, by the phase worker that runs it, so a run killed at any moment leaves what it had
+measured. A check compares a number with a bound against something independent of the engine (a plain Lightning or
+plain torch run, a formula); the first one that fails prints a banner naming it with its numbers and, unless
+``--keep-going``, ends the phase (and the orchestrator stops there) with a non-zero exit code.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class OutOfTime(Exception):
 
 
 def out_paths(args: argparse.Namespace) -> tuple[Path, Path]:
-    stem = "gpu_check_cpu" if args.cpu else "gpu_check"
-    return Path(args.out_dir) / f"{stem}.json", Path(args.out_dir) / f"{stem}.md"
+    """``<out-dir>/<stem>.json`` and ``.md``: the stem is the run's (``gpu_check.parse``), the same in every worker."""
+    return Path(args.out_dir) / f"{args.stem}.json", Path(args.out_dir) / f"{args.stem}.md"
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -51,7 +51,7 @@ STRATEGIES = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard")
 # The bf16 bounds scale with GAP = plain Lightning's own max |w_bf16 - w_fp32| after the same steps, measured in the
 # same run. bf16 keeps 8 significant bits (unit roundoff u = 2^-8 = 0.0039 relative): every bf16 op rounds its result
 # by up to u, the gradients differ from fp32 ones by a few u, and the weights move apart along the training. On CPU
-# (bench/results/gpu_check_cpu.md) GAP is 2.2e-3 .. 3.6e-3, 15 .. 255 x u x the largest fp32 weight movement (4.1e-2
+# (gpu_check_cpu2_2026-12-04.md) GAP is 2.2e-3 .. 3.6e-3, 15 .. 255 x u x the largest fp32 weight movement (4.1e-2
 # small_tf SGD, 3.6e-3 gpt AdamW: Adam steps near-zero gradients by +-lr, so their rounding noise moves whole steps).
 # The old bound, 2^-6 (two ulps at |w| = 1) + GAP, let a run that computed in fp32 pass: it sits GAP from plain bf16.
 # * bf16-mixed: the strategy runs the very bf16 ops of plain Lightning on the same fp32 masters; only fp32 arithmetic

@@ -1,4 +1,5 @@
-"""The peak suite's table (``bench/results/peak.md``): measured peak memory per rank against the ZeRO formula.
+"""The peak suite's table (``bench/results/peak_<hardware>_<date>.md``): measured peak memory per rank against the
+ZeRO formula.
 
 Measured (``measure.py``, peak suite): each rank's ``VmHWM`` (whole process, and the training window alone after a
 reset at ``on_train_start``) and its ``VmRSS`` at ``on_train_start`` (the baseline), every rank started with

@@ -1,19 +1,22 @@
 """The speed suite (``bench_speed.py``): tokens/s of ours and the peers side by side, and where the step time goes.
 
-Four tables, each a set of row sets run by the same driver as the other suites (``driver.run_suite``: every variant
+Three tables, each a set of row sets run by the same driver as the peak suite (``driver.run_suite``: every variant
 in fresh processes, N CPU ranks x 1 thread, gloo; repeats in alternating order ABC CBA ABC), every strategy with its
 default knobs, the DDP baseline without the counting comm hook (nothing patched into any peer):
 
-* ``main`` -> ``bench/results/speed.{json,md}``: Hugging Face GPT-2 6 x 384 (vocab 16384, ~17M parameters, micro-batch
-  8 x 128 per rank) and the recipe GPT 6 x 512 (vocab 8192, 23M, micro-batch 4 x 128), world 2: Lightning DDP,
-  ZeroRedundancyOptimizer, zero1, zero2, FSDP2, zero3, fsdp_shard (and DeepSpeed ZeRO-1/2/3 where installed);
-  tokens/s is the **best** of the repeats, ratios against Lightning DDP and torch FSDP2.
-* ``world1`` -> ``speed_world1``: every strategy at world 1 against plain single-device Lightning (``single``): the
-  engine's own overhead (hooks, flat buffers, copies, chunked optimizer), no communication.
-* ``scaling`` -> ``speed_scaling``: world 1, 2 and 4 on the same per-rank batch; efficiency = tokens/s(N) / (N x
-  tokens/s(1)) per variant. On this 2-core machine world 4 runs 4 ranks on 2 cores: its efficiency is at most 0.5.
-* ``sizes`` -> ``speed_sizes``: step time against parameter count (recipe GPT 4 x 256, 6 x 512, 8 x 768) and, at
-  about the same count, against the number of parameter tensors (24 x 256: 4x the tensors of 6 x 512).
+* ``main`` (the suite's result) -> ``bench/results/speed_<hardware>_<date>.{json,md}``: Hugging Face GPT-2 6 x 384
+  (vocab 16384, ~17M parameters, micro-batch 8 x 128 per rank) and the recipe GPT 6 x 512 (vocab 8192, 23M,
+  micro-batch 4 x 128), world 2: Lightning DDP, ZeroRedundancyOptimizer, zero1, zero2, FSDP2, zero3, fsdp_shard (and
+  DeepSpeed ZeRO-1/2/3 where installed); tokens/s is the **best** of the repeats, ratios against Lightning DDP and
+  torch FSDP2, plain and paired (per round).
+* ``scaling`` (``--tables scaling``) -> ``speed_scaling_<hardware>_<date>``: world 1, 2 and 4 on the same per-rank
+  batch; efficiency = tokens/s(N) / (N x tokens/s(1)) per variant. On a 2-core machine world 4 runs 4 ranks on 2
+  cores: its efficiency is at most 0.5.
+* ``sizes`` (``--tables sizes``) -> ``speed_sizes_<hardware>_<date>``: step time against parameter count (recipe GPT
+  4 x 256, 6 x 512, 8 x 768) and, at about the same count, against the number of parameter tensors (24 x 256: 4x the
+  tensors of 6 x 512).
+
+The engine's overhead at world 1 is its own suite (``bench_world1.py``: paired steps in one process).
 
 Per variant, rank 0, seconds per step: the wall time of forward / backward (incl. gradient sync) / optimizer (incl.
 parameter sync) / between steps (a step's batch end to the next one's start) over the timed steps, and of each the
@@ -32,15 +35,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from naming import result_stem
 from variants import DEEPSPEED, model_param_count
 
-TABLES = ("main", "world1", "scaling", "sizes")
+TABLES = ("main", "scaling", "sizes")
 GPT2 = dict(model="hf_gpt2", n_layer=6, n_embd=384, n_head=6, vocab=16384, batch_size=8)
 RECIPE = dict(model="gpt", n_layer=6, n_embd=512, n_head=8, vocab=8192, batch_size=4)
 SIZES = [dict(RECIPE, n_layer=4, n_embd=256), dict(RECIPE), dict(RECIPE, n_layer=8, n_embd=768),
          dict(RECIPE, n_layer=24, n_embd=256)]
 VARIANTS = {
-    "world1": ("single", "zero0", "zero1", "zero2", "zero3", "fsdp_shard", "fsdp2"),
     "scaling": ("ddp", "zero1", "zero2", "zero3", "fsdp_shard", "fsdp2"),
     "sizes": ("ddp", "zero2", "zero3", "fsdp_shard", "fsdp2"),
 }
@@ -66,8 +69,6 @@ def row_sets(args: argparse.Namespace, table: str) -> list[tuple[str, argparse.N
     if table == "main":
         both = [at("hf_gpt2", GPT2), at("gpt", RECIPE)]
         return [s for s in both if s[1].model == args.model] if getattr(args, "model_given", False) else both
-    if table == "world1":
-        return [at(model["model"], model, devices=1)]
     if table == "scaling":
         return [at(f"world {n}", model, devices=n) for n in (1, 2, 4)]
     if args.sizes:  # ``--sizes``: these row sets instead of the four
@@ -77,7 +78,7 @@ def row_sets(args: argparse.Namespace, table: str) -> list[tuple[str, argparse.N
 
 def table_variants(args: argparse.Namespace, table: str, default: tuple[str, ...]) -> list[str]:
     chosen = args.variants if args.variants_given else list(VARIANTS.get(table, default))
-    if table in ("world1", "scaling", "sizes"):  # DeepSpeed only in the main table
+    if table in ("scaling", "sizes"):  # DeepSpeed only in the main table
         chosen = [v for v in chosen if v not in DEEPSPEED]
     return chosen
 
@@ -107,7 +108,7 @@ def run_speed(args: argparse.Namespace, run_suite: Any, env: dict[str, str], mac
                          "results": results, "wall_s": time.perf_counter() - t_set})
         doc = {"suite": "speed", "table": table, "machine": machine, "wall_s": time.perf_counter() - t0,
                "command": " ".join([Path(sys.executable).name] + sys.argv), "row_sets": sets}
-        stem = "speed" if table == "main" else f"speed_{table}"
+        stem = result_stem("speed" if table == "main" else f"speed_{table}")  # naming.py
         out_json, out_md = Path(args.out_dir) / f"{stem}.json", Path(args.out_dir) / f"{stem}.md"
         # ``--out-json`` / ``--out-md`` name the table's files (with several tables the driver refuses them)
         out_json = Path(args.out_json) if args.out_json else out_json
@@ -164,12 +165,10 @@ def _paired(r: dict[str, Any], base: dict[str, Any] | None) -> str:
 
 def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = None) -> list[str]:
     res = s["results"]
-    base_single, ddp, fsdp2 = res.get("single"), res.get("ddp"), res.get("fsdp2")
+    ddp, fsdp2 = res.get("ddp"), res.get("fsdp2")
     head = ("| variant | tokens/s (best) | runs | vs DDP | vs FSDP2 | vs DDP, paired: median (range) | "
             "vs FSDP2, paired |")
     sep = "| --- | ---: | --- | ---: | ---: | ---: | ---: |"
-    if table == "world1":
-        head, sep = head + " vs single |", sep + " ---: |"
     if table == "scaling" and world1 is not None:
         head, sep = head + " efficiency |", sep + " ---: |"
     if table == "sizes":
@@ -182,8 +181,6 @@ def speed_rows(s: dict[str, Any], table: str, world1: dict[str, Any] | None = No
         runs = "/".join(f"{x['tokens_per_s_mean']:.0f}" for x in r.get("repeats", []))
         row = (f"| {v} | {best(r):.0f} | {runs} | {_ratio(r, ddp)} | {_ratio(r, fsdp2)} | {_paired(r, ddp)} | "
                f"{_paired(r, fsdp2)} |")
-        if table == "world1":
-            row += f" {_ratio(r, base_single)} |"
         if table == "scaling" and world1 is not None:
             one = world1["results"].get(v)
             # tokens/s here is per rank: efficiency = total(N) / (N x total(1)) = per-rank(N) / per-rank(1)
@@ -223,9 +220,8 @@ def phase_rows(s: dict[str, Any]) -> list[str]:
 
 def markdown_speed(doc: dict[str, Any]) -> str:
     m = doc["machine"]
-    title = {"main": "Speed: ours and the peers side by side", "world1": "Speed at world 1: the engine's overhead",
-             "scaling": "Speed: scaling over world 1, 2, 4", "sizes": "Speed: step time against model size and "
-             "against the number of parameter tensors"}[doc["table"]]
+    title = {"main": "Speed: ours and the peers side by side", "scaling": "Speed: scaling over world 1, 2, 4",
+             "sizes": "Speed: step time against model size and against the number of parameter tensors"}[doc["table"]]
     lines = [f"# {title}", "",
              f"{m['cores']} cores ({m['cpu']}), CPU ranks x 1 thread, gloo; torch {m['torch']}, lightning "
              f"{m['lightning']}, python {m['python']}. fp32 AdamW, seq {m['model']['block_size']}; "

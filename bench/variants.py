@@ -1,16 +1,14 @@
 """The benchmark's variants: which suite holds which, what each is, and the module + strategy that run it.
 
 Every variant trains one model under AdamW; only the strategy (and for ``zero_r`` the optimizer, for ``fsdp2`` a
-``configure_model``) differs. The model (``--model``): ``gpt`` (default; the project's recipe GPT,
-``lightning_shard.recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm blocks
-``lightning_shard.recipes.gpt.Block``, no dropout) or
-``hf_gpt2`` (Hugging Face ``transformers.GPT2LMHeadModel``, tied embedding, dropout 0, blocks ``GPT2Block`` in
-``model.transformer.h``; the ``peak`` suite's default).
+``configure_model``) differs. The model (``--model``): ``hf_gpt2`` (Hugging Face ``transformers.GPT2LMHeadModel``,
+tied embedding, dropout 0, blocks ``GPT2Block`` in ``model.transformer.h``; the suites' default) or ``gpt`` (the
+project's recipe GPT, ``lightning_shard.recipes.gpt.GPT``: tied embedding / LM head, pre-LayerNorm blocks
+``lightning_shard.recipes.gpt.Block``, no dropout; the speed suite's second model).
 
-Options of the lightning_shard variants (``lightning_shard/options``): the zero12 / zero3 / unused suites pass
-``accumulation`` and ``tuning.find_unused_parameters`` as listed in ``make_strategy``; the ``peak`` suite runs every
-strategy with its default options (zero0/1/2: only ``tuning.bucket_mb``, as the other suites pass it; fsdp_shard:
-only its wrap class), and on request (``--variants``, :data:`OPT_IN`) the same with the options of a suffix
+Options of the lightning_shard variants (``lightning_shard/options``): the ``peak`` and ``speed`` suites run every
+strategy with its default options (zero0/1/2: only ``tuning.bucket_mb``; fsdp_shard: only its wrap class), and on
+request (``--variants``, :data:`OPT_IN`) the same with the options of a suffix
 (:data:`SUFFIXES`): ``_ac`` (``activation_checkpointing="auto"``), ``_bf16`` (``param_dtype="bf16"``), ``_offload``
 (``offload_optimizer``), ``_offload_all`` (zero3: ``offload_optimizer`` and ``offload_params``), ``_rs`` (the
 backend's reduce-scatter), ``_pf3`` / ``_pf2`` / ``_pf1`` (stage 3: ``tuning.prefetch_depth=3`` / ``2`` / ``1``).
@@ -61,16 +59,13 @@ _KNOBBED = ("zero2_ac", "zero3_ac", "fsdp_shard_ac", "zero2_bf16", "zero3_bf16",
             "zero2_q8r", "zero2_q4r", "zero3_q8g", "zero3_q8r", "zero3_q4r", "zero3_q8", "fsdp_shard_q8",
             "zero1_agc", "zero2_agc", "zero3_agc", "fsdp_shard_agc",
             "zero1_nohuge", "zero2_nohuge", "zero3_nohuge", "fsdp_shard_nohuge")
-OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard", "zero2_nomask", "zero3_nomask") + _KNOBBED  # ShardEngine
-STAGE3 = ("zero3", "fsdp_shard", "zero3_nomask") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
+OURS = ("zero0", "zero1", "zero2", "zero3", "fsdp_shard") + _KNOBBED  # ShardEngine
+STAGE3 = ("zero3", "fsdp_shard") + tuple(v for v in _KNOBBED if v.startswith(("zero3", "fsdp")))
 # ours with parameters sharded (3 passes of parameter bytes per step)
 SUITES = {
-    "zero12": ("zero0", "zero1", "zero2", "ddp", "zero_r"),
-    "zero3": ("zero3", "fsdp_shard", "fsdp2", "ddp"),
-    "unused": ("zero2", "zero2_nomask", "zero3", "zero3_nomask"),
     "peak": ("ddp", "zero0", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
-    # tokens/s side by side, best of the repeats (bench_speed.py); ``single``: plain Lightning on one device (the
-    # world-1 table's reference)
+    # tokens/s side by side, best of the repeats (bench_speed.py); ``single`` (opt-in): plain Lightning on one
+    # device, a reference for a world-1 row set only (the scaling table's first)
     "speed": ("ddp", "zero_r", "zero1", "zero2", "fsdp2", "zero3", "fsdp_shard"),
 }
 # variants a suite runs only when ``--variants`` names them (the default table stays as it is), e.g.
@@ -87,7 +82,6 @@ AA_CONTROLS = {"ddp_aa": "ddp", "fsdp2_aa": "fsdp2"}
 OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"]),
           "speed": ("single", "zero0") + tuple(AA_CONTROLS) + _KNOBBED
           + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
-DEFAULT_KNOBS = ("peak", "speed")  # suites that run every strategy with its default options (make_strategy)
 
 
 def program_of(variant: str) -> str:
@@ -108,9 +102,6 @@ def suite_variants(suite: str) -> tuple[str, ...]:
     return SUITES[suite] + OPT_IN.get(suite, ())
 
 
-# ``--suite all``: the GPT tables that share model, data and environment (the peak suite has its own model defaults
-# and malloc environment, so it runs only on its own)
-ALL_SUITES = ("zero12", "zero3", "unused")
 VARIANTS = tuple(dict.fromkeys(v for suite in SUITES for v in suite_variants(suite)))
 MODELS = ("gpt", "hf_gpt2")
 NOTES = {
@@ -125,8 +116,6 @@ NOTES = {
     "zero3": "lightning_shard Zero3Strategy: every module with parameters is a unit",
     "fsdp_shard": "lightning_shard FSDPShardStrategy(wrap_classes=[GPT block]): one unit per block + root",
     "fsdp2": "torch FSDP2 fully_shard per block + root, Lightning ModelParallelStrategy (dp=N, tp=1, gloo)",
-    "zero2_nomask": "zero2 with tuning.find_unused_parameters=False (no used-mask all-reduce)",
-    "zero3_nomask": "zero3 with tuning.find_unused_parameters=False (no used-mask all-reduce)",
     "zero2_ac": "zero2 with activation_checkpointing='auto' (every block's forward recomputed in backward)",
     "zero3_ac": "zero3 with activation_checkpointing='auto'",
     "fsdp_shard_ac": "fsdp_shard with activation_checkpointing='auto'",
@@ -348,17 +337,10 @@ def _make_strategy(args: argparse.Namespace, variant: str) -> Any:
                                      process_group_backend="gloo", save_distributed_checkpoint=True)
     base, ac = split_variant(variant)  # ``<strategy><suffix>``: the strategy with the suffix's options (peak suite)
     ac.pop("comm", None)  # set by make_strategy
-    cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-           "zero2_nomask": Zero2Strategy}.get(base)
-    if getattr(args, "suite", None) in DEFAULT_KNOBS:  # default options (bucket_mb as the other suites pass it)
-        if base == "zero3":
-            return Zero3Strategy(**ac)
-        if base == "fsdp_shard":
-            return FSDPShardStrategy(wrap_classes=[block_class(args)], **ac)
-        return cls(**merge_options({"tuning": {"bucket_mb": args.bucket_mb}}, ac))
-    if variant in ("zero3", "zero3_nomask"):
-        return Zero3Strategy(accumulation="auto", tuning={"find_unused_parameters": variant == "zero3"})
-    if variant == "fsdp_shard":
-        return FSDPShardStrategy(wrap_classes=[block_class(args)], accumulation="auto")
-    return cls(accumulation="defer", tuning={"bucket_mb": args.bucket_mb,
-                                             "find_unused_parameters": variant != "zero2_nomask"})
+    # default options, but for zero0/1/2's bucket size (``--bucket-mb``)
+    if base == "zero3":
+        return Zero3Strategy(**ac)
+    if base == "fsdp_shard":
+        return FSDPShardStrategy(wrap_classes=[block_class(args)], **ac)
+    cls = {"zero0": Zero0Strategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy}[base]
+    return cls(**merge_options({"tuning": {"bucket_mb": args.bucket_mb}}, ac))

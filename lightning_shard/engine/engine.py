@@ -68,7 +68,7 @@ class ShardEngine:
         if options.offload_optimizer and first is not None and first.device.type == "cpu":
             warnings.warn("offload_optimizer on CPU parameters: host memory is the device memory here, so nothing is "
                           "saved; the fp32 master shard and the gradient shard it copies out cost 8 bytes per "
-                          "parameter / N more (bench/results/budget.md). It is meant for accelerators.", stacklevel=3)
+                          "parameter / N more. It is meant for accelerators.", stacklevel=3)
         self._warned_unused: set[str] = set()
         for opt in optimizers:
             validate_optimizer(opt, options.safety.allow_custom_optimizer)

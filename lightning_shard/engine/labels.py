@@ -1,5 +1,5 @@
-"""The ``torch.profiler`` labels of the engine's phases and of each collective's launch and wait (what ``bench/``
-times)."""
+"""The ``torch.profiler`` labels of the engine's phases and of each collective's launch and wait (what the
+benchmarks time)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 
 def phase(fn):
-    """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what ``bench/`` times)."""
+    """Label an engine phase for ``torch.profiler`` as ``lightning_shard.<method>`` (what the benchmarks time)."""
     label = f"lightning_shard.{fn.__name__.lstrip('_')}"
 
     @functools.wraps(fn)

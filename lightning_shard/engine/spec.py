@@ -26,7 +26,7 @@ class ShardSpec:
     shards_params: bool = field(init=False)  # only the rank's shard of the parameters persists (ZeRO-3/FSDP)
     # full parameters on every rank, all-gathered after each step (ZeRO-1/2); a shard group of one rank owns the
     # whole buffer, so there is nothing to gather (the all-gather at world 1 was a copy onto itself plus a wait in
-    # the next forward, 4% of the step: bench/results/speed_world1.md)
+    # the next forward, 4% of the step in the speed benchmark at world 1)
     gathers_after_step: bool = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,18 @@ STRATEGIES = ["zero0", "zero1", "zero2", "zero3", "fsdp_shard"]
 
 def _run(tmp_path: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("BENCH_HARDWARE", None)  # the result's name from the machine (bench/naming.py)
     return subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out-dir", str(tmp_path), "--budget-s", "540",
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _result(tmp_path: Path, suffix: str) -> Path:
+    """The run's one result file: ``gpu_check_cpu<cores>_<YYYY-MM-DD>`` (bench/naming.py: the CPU mode is named by
+    the CPU it ran on, a GPU run by its GPU's model)."""
+    found = sorted(tmp_path.glob(f"gpu_check_*{suffix}"))
+    assert len(found) == 1, found
+    assert re.fullmatch(rf"gpu_check_cpu\d+_\d{{4}}-\d{{2}}-\d{{2}}{re.escape(suffix)}", found[0].name), found[0].name
+    return found[0]
 
 
 def _real(x) -> bool:
@@ -36,8 +47,7 @@ def _real(x) -> bool:
 def test_cpu_mode_runs_every_phase_and_passes_with_real_numbers(tmp_path):
     proc = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert not (tmp_path / "gpu_check.json").exists()  # the GPU run's file name is not used by --cpu
-    doc = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    doc = json.loads(_result(tmp_path, ".json").read_text())
     assert doc["mode"] == "cpu" and doc["status"] == "pass" and doc["first_failure"] is None
     assert list(doc["phases"]) == PHASES
     for name, sec in doc["phases"].items():
@@ -80,7 +90,7 @@ def test_cpu_mode_runs_every_phase_and_passes_with_real_numbers(tmp_path):
     assert {t["nodeid"].split("[")[0] for t in tests} == set(doc["phases"]["tests"]["gpu_only"])
     assert tests and all(t["outcome"] == "skipped" for t in tests)  # no CUDA here: they skip cleanly
 
-    md = (tmp_path / "gpu_check_cpu.md").read_text()
+    md = _result(tmp_path, ".md").read_text()
     for heading in ("## 1. Correctness at world 1", "## 2. Two ranks on one device", "## 3-4. Memory and speed",
                     "## 5. The suite's GPU-only tests"):
         assert heading in md
@@ -93,7 +103,7 @@ def test_a_wrong_result_fails_loudly_and_names_its_check(tmp_path):
     proc = _run(tmp_path, "--phases", "parity", "world2", "--perturb", f"{name}=1e-3")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"GPU CHECK FAILED: {name}:" in proc.stderr
-    doc = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    doc = json.loads(_result(tmp_path, ".json").read_text())
     assert doc["status"] == "fail" and list(doc["phases"]) == ["parity"]  # stopped: world2 never started
     first = doc["first_failure"]
     assert first["name"] == name and first["perturbed"] and first["bound"] == 1e-5
@@ -103,7 +113,7 @@ def test_a_wrong_result_fails_loudly_and_names_its_check(tmp_path):
     before = [c for c in checks[:-1] if c["name"].startswith("parity/small_tf/32-true/")]
     assert [c["name"].rsplit("/", 1)[1] for c in before] == ["zero0", "zero1"]
     assert all(c["passed"] and c["value"] <= 1e-5 for c in before)
-    assert f"**First failure**: `{name}`" in (tmp_path / "gpu_check_cpu.md").read_text()
+    assert f"**First failure**: `{name}`" in _result(tmp_path, ".md").read_text()
 
 
 def test_the_gpu_only_tests_are_found_in_the_source():

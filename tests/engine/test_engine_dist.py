@@ -311,6 +311,6 @@ def world_one_fit(stage: int) -> bool:
 def test_world_one_issues_no_collective_of_its_buckets(worlds, stage):
     """One rank owns the whole buffer: at world 1 no stage issues a gradient reduction, a post-step all-gather or a
     unit gather (each was a one-rank collective through gloo's thread: a copy onto itself plus a wait, 0.04-0.06 s
-    per step off-CPU for zero1/2 on GPT-2, bench/results/speed_world1.md) and the weights are those of plain torch
+    per step off-CPU for zero1/2 on GPT-2, measured by the speed benchmark) and the weights are those of plain torch
     training."""
     assert worlds(1).run(world_one_fit, stage) == [True]

@@ -66,7 +66,7 @@ class PostStepGathers:
         While ``torch.profiler`` records on gloo none is left in flight past the step: a gloo async work carries
         the profiler's record function to its completion, and a profiler stopped (its schedule stepping at the
         batch end) before the work completed crashed the process in ``work.wait()`` (a segfault in about 1 run in
-        10 of bench/'s profiled window, torch 2.13 CPU)."""
+        10 of the speed benchmark's profiled window, torch 2.13 CPU)."""
         for b in reversed(buckets):  # forward order: the first layers' parameters arrive first
             b.gather.launch_after_step(async_op=True)
         if self.overlap and not (self._gloo and torch.autograd._profiler_enabled()):

@@ -52,8 +52,8 @@ def all_gather_form(choice: str, group: C.Group = None, nbytes: Optional[int] = 
       output per rank, in place (no buffer). ``"auto"`` on gloo for an output of :data:`BROADCAST_MIN_BYTES` (1 MiB)
       or more: 1.4-4.2x faster than gloo's all-gather at 4-88 MiB on 2 ranks in two runs, 1.05-3.3x at 25-88 MiB on
       4, with 24-81% of its CPU time at 25-88 MiB; at 1 MiB and below, and at 1-4 MiB on 4 ranks, the runs disagree
-      (0.45-4.1x) (``bench/bench_collectives.py``, ``bench/results/collectives_gather.md`` and
-      ``collectives_gather_run1.md``). ``"all_gather"`` on every other backend (NCCL) and below the size.
+      (0.45-4.1x) (the collectives benchmark, two runs). ``"all_gather"`` on every other backend (NCCL) and below
+      the size.
 
     The ledger records an all-gather either way (its bytes and wire bytes), marked ``via="broadcast"``: its
     :attr:`LedgerEntry.calls` are the N broadcasts that run."""

@@ -5,9 +5,9 @@ all-to-all reduction, a gathered zero3 unit) is a fresh ``malloc`` each step. gl
 mmap threshold (dynamic, at most 32 MiB) with a fresh ``mmap`` and gives the heap's top back when enough is free,
 so each 4 KiB page of such a buffer page-faults (and is zeroed by the kernel) on first touch, every step. Measured
 here (2-core AMD EPYC, torch 2.13): a fresh 88 MiB buffer filled by a copy, 22,529 faults and 41.6 ms; advised as
-huge pages before the first touch, 556 faults and 9.5 ms (4.4x; 40 MiB: 4.3x; ``bench/results/hugepages.md``). On
-the recipe GPT a zero2 step page-faulted 42.8k times against DDP's 11.2k (``bench/results/speed_gather.md``: DDP's
-buckets are allocated once); advised, 12.9k (``bench/results/speed_hugepages.md``).
+huge pages before the first touch, 556 faults and 9.5 ms (4.4x; 40 MiB: 4.3x). On the recipe GPT a zero2 step
+page-faulted 42.8k times against DDP's 11.2k (DDP's buckets are allocated once); advised, 12.9k (the speed
+benchmark's page-fault column).
 
 :func:`advise` asks the kernel (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned interior of the buffer) to back
 it with 2 MiB pages. It does nothing (returns False) off Linux, where transparent huge pages are ``never``, on

@@ -10,8 +10,8 @@ comm/choices.py), and each bucket binds it to its ranges in a :class:`Reduction`
 * :class:`AllToAllSum`: an all-to-all of the buffer (rank j receives every rank's j-th 1/N) and the sum of the N
   pieces; ``"auto"`` on gloo, where it is 1.7-7x faster than gloo's reduce-scatter and 1.3-10x faster than an
   all-reduce of the bucket (but 0.95x at 256 KiB on 2 ranks), at 64 KiB to 25 MiB on 2 and 4 CPU ranks, torch 2.13
-  (``bench/bench_collectives.py``, ``bench/results/collectives.md``), and moves the reduce-scatter's (N-1)/N of the
-  bucket per rank; it costs a second full-size buffer (the pieces) while the reduction is in flight;
+  (the collectives benchmark), and moves the reduce-scatter's (N-1)/N of the bucket per rank; it costs a second
+  full-size buffer (the pieces) while the reduction is in flight;
 * :class:`PairExchange`: the all-to-all form on a group of 2 ranks: the other rank's piece arrives straight into the
   shard and this rank's own piece is added to it (:func:`collectives.exchange_pair`), no pieces buffer;
 * :class:`InPlaceAllReduce`: an in-place all-reduce of the bucket, each rank keeping its range (twice the bytes; the
@@ -60,9 +60,9 @@ def sum_pieces_into(pieces: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
     Row by row (``out = p0 + p1``, then ``out += p2`` ...) rather than ``torch.sum(pieces, dim=0)``: on CPU, torch
     2.13, one thread, the adds were 2.2-2.8x faster for 2 rows of 0.75-12 MiB float32, 0.97-7.2x (median 2.1x) over
-    2-8 rows, 10x for 2 rows of bfloat16 (``bench/bench_sum.py``, ``bench/results/sum_pieces.md``), and they are the
-    row-order sum bit for bit. Two rows of any dtype (one rounding either way) and float32/float64 are added so; more
-    rows of a 16-bit dtype keep ``torch.sum``, which accumulates in float32 and rounds once."""
+    2-8 rows, 10x for 2 rows of bfloat16, and they are the row-order sum bit for bit. Two rows of any dtype (one
+    rounding either way) and float32/float64 are added so; more rows of a 16-bit dtype keep ``torch.sum``, which
+    accumulates in float32 and rounds once."""
     rows = pieces.shape[0]
     if rows == 1:
         return out.copy_(pieces[0])
