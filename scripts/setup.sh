@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) and installs lightning_shard with its test extra. Idempotent: re-runs only when
+# Creates ./.venv (once) and installs lightning_shard with its test and docs extras. Idempotent: re-runs only when
 # pyproject.toml or this script changed. torch is pinned to 2.13.0 on purpose: an unpinned `torch` lets pip pick
 # a multi-GB CUDA build (override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" on a GPU node).
 # Each step says what it does and how long it took (on stderr, prefixed "setup.sh:"); pip's own output is kept
@@ -50,8 +50,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "  torch $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))') installed"
   done_step
   # torch is named again so that pip keeps that build while it resolves the rest
-  step "installing lightning-shard (editable) with its test extra: lightning, hydra-core, transformers, peft, pytest ..."
-  pip_quiet install -q "$TORCH_SPEC" -e ".[test]"
+  step "installing lightning-shard (editable) with its test and docs extras: lightning, hydra-core, transformers, peft, pytest, mkdocs ..."
+  pip_quiet install -q "$TORCH_SPEC" -e ".[test,docs]"
   done_step
   # litgpt's own pins (huggingface-hub<1.4, psutil==7.2.2) conflict with transformers 5; the tests use only its
   # model code, which needs torch and lightning: installed without its dependencies
@@ -59,7 +59,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip_quiet install -q --no-deps "$LITGPT_SPEC"
   done_step
   step "checking that everything imports"
-  .venv/bin/python -c "import torch, lightning, hydra, lightning_shard, peft, transformers, litgpt.model" # fail loudly
+  .venv/bin/python -c "import torch, lightning, hydra, lightning_shard, peft, transformers, litgpt.model, mkdocs, mkdocstrings_handlers.python" # fail loudly
   done_step
   echo "$want" > "$stamp"
   say "ready: .venv set up in $((SECONDS - started)) s"
