@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_shard.app import job
 from lightning_shard.app.config import (
     REQUIRED_KEYS,
     build_callbacks,
@@ -58,6 +59,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m lightning_shard.train`` / ``lightning-shard train``: preflight, then Hydra."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    job.decide()  # the run folder's name, one for every rank, node and restart of this job
     if os.environ.get("LOCAL_RANK") in (None, "0") and os.environ.get("LIGHTNING_SHARD_PREFLIGHT", "1") != "0":
         error = preflight(argv)
         if error is not None:

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import ConfigError, check_all, did_you_mean
+from .job import run_name
 from .launch import topology_fact
 from .resume import CKPT_DIR, resolve_ckpt_path
 from .schema import SCHEMAS
@@ -41,12 +42,14 @@ def _topo_resolver(fact: str, *, _root_: DictConfig) -> Any:
 
 
 def register() -> None:
-    """Store the schemas in Hydra's ConfigStore and register the ``ls.topo`` resolver (idempotent)."""
+    """Store the schemas in Hydra's ConfigStore and register the ``ls.topo`` and ``ls.run_name`` resolvers
+    (idempotent)."""
     cs = ConfigStore.instance()
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=name, node=node, provider="lightning_shard")
     OmegaConf.register_new_resolver("ls.topo", _topo_resolver, replace=True)
+    OmegaConf.register_new_resolver("ls.run_name", run_name, replace=True)
 
 
 register()
@@ -66,7 +69,8 @@ def check_config(cfg: DictConfig) -> int:
     if unknown:
         raise ConfigError(f"trainer.{unknown[0]}: not a keyword of lightning.Trainer"
                           f"{did_you_mean(unknown[0], sorted(accepted))}; nothing was started")
-    resolve_ckpt_path(cfg)  # raises when there is nothing to resume from
+    if cfg.get("ckpt_path") != "last":  # a path must exist; "last" is looked up (or warned about) by fit
+        resolve_ckpt_path(cfg)
     for key in map(str, cfg.strategy):  # a group's field added flat (+strategy.bucket_mb=5): where it lives
         value = OmegaConf.select(cfg.strategy, key, default=None, throw_on_resolution_failure=False)
         text = str(value).lower() if isinstance(value, bool) else None if value is None else str(value)

@@ -10,7 +10,11 @@ from typing import Optional
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_shard.checkpoint.dcp import DCP_METADATA, is_dcp_checkpoint
+from lightning_shard.checkpoint.format import META, is_sharded_checkpoint
 
 from .checks import ConfigError
 
@@ -30,10 +34,30 @@ def _run_dir(cfg: DictConfig) -> Optional[Path]:
     return None
 
 
+def _complete(ckpt: Path) -> bool:
+    """A checkpoint that was written to the end: a sharded or DCP directory has its index (written last, atomically:
+    a rank that died while saving leaves only a ``.tmp-`` folder or the previous version), a file is a file."""
+    if ckpt.is_dir():
+        return is_sharded_checkpoint(ckpt) or is_dcp_checkpoint(ckpt)
+    return ckpt.is_file()
+
+
+def _written_at(ckpt: Path) -> float:
+    marker = next((m for m in (ckpt / META, ckpt / DCP_METADATA) if m.is_file()), ckpt) if ckpt.is_dir() else ckpt
+    return marker.stat().st_mtime
+
+
+def last_checkpoint(here: Path) -> Optional[Path]:
+    """The newest complete ``checkpoints/last.ckpt`` of this run folder (a restarted or requeued job) and of the
+    earlier runs of the same recipe x strategy x topology (its sibling folders); None when there is none."""
+    found = [p for p in here.parent.glob(f"*/{CKPT_DIR}/{LAST}") if _complete(p)]
+    return max(found, key=_written_at, default=None)
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> Optional[str]:
-    """``ckpt_path``: null (start fresh), ``last`` (the newest ``checkpoints/last.ckpt`` among the earlier runs
-    of this recipe x strategy x topology, i.e. the sibling folders of this run's folder), a run folder, or a
-    checkpoint path. Raises :class:`ConfigError` when there is nothing to resume from."""
+    """``ckpt_path``: null (start fresh), ``last`` (:func:`last_checkpoint`; with none, a warning and a fresh start,
+    so one command line serves a job's first start and every restart, as Lightning's ``fit(ckpt_path="last")``), a
+    run folder, or a checkpoint path. Raises :class:`ConfigError` for a path that does not exist."""
     value = cfg.get("ckpt_path")
     if value in (None, ""):
         return None
@@ -44,19 +68,27 @@ def resolve_ckpt_path(cfg: DictConfig) -> Optional[str]:
         here = _run_dir(cfg)
         if here is None:
             raise ConfigError("ckpt_path=last needs a Hydra run folder; give a checkpoint path instead")
-        found = sorted((p for p in here.parent.glob(f"*/{CKPT_DIR}/{LAST}") if p.parents[1] != here),
-                       key=lambda p: p.parents[1].name)
-        if not found:
-            raise ConfigError(f"ckpt_path=last: no earlier run of this combination has {CKPT_DIR}/{LAST} under "
-                              f"{here.parent}/; run once without ckpt_path (callbacks=default writes it), or "
-                              f"give a path: ckpt_path=<run folder or .ckpt>")
-        return str(found[-1])
+        found = last_checkpoint(here)
+        if found is None:
+            rank_zero_warn(f"ckpt_path=last: no complete {CKPT_DIR}/{LAST} in this run's folder or an earlier run's "
+                           f"under {here.parent}/: starting from scratch")
+            return None
+        return str(found)
     path = Path(value)
     if path.is_dir() and (path / CKPT_DIR / LAST).exists():  # a run folder
         return str(path / CKPT_DIR / LAST)
     if not path.exists():
         raise ConfigError(f"ckpt_path={value}: no such checkpoint or run folder")
     return str(path)
+
+
+class ResumeReport(L.Callback):
+    """Says, once training starts, from which optimizer step a run resumed (``ckpt_path``)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path:
+            rank_zero_info(f"lightning_shard.train: resumed at optimizer step {trainer.global_step} (epoch "
+                           f"{trainer.current_epoch}) from {trainer.ckpt_path}")
 
 
 class FinalCheckpoint(L.Callback):

@@ -21,7 +21,7 @@ from lightning_shard.callbacks import CommSummary
 
 from .config import build_callbacks, build_loggers, build_trainer_kwargs
 from .report import NO_PLOT, write_report, write_summary
-from .resume import FinalCheckpoint, resolve_ckpt_path
+from .resume import FinalCheckpoint, ResumeReport, resolve_ckpt_path
 from .summary import _choices, full_summary, log_to_run_files, print_next_steps, print_summary
 
 
@@ -43,7 +43,7 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
     ckpt_path = resolve_ckpt_path(cfg)
     final = FinalCheckpoint()
-    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir), final],
+    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir), final, ResumeReport()],
                         logger=loggers or False, **build_trainer_kwargs(cfg, accumulate))
     if ckpt_path is not None:
         rank_zero_info(f"lightning_shard.train: resuming from {ckpt_path}")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Optional
 
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from ..engine.comm import collectives as C
 from ..engine.comm.choices import CommChoices
@@ -106,7 +108,15 @@ class EngineAdapter:
             kwargs: dict[str, Any] = {"timeout": timedelta(seconds=launch.startup_timeout_s)}
             if self.root_device.type == "cuda":
                 kwargs["device_id"] = self.root_device
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun: a rendezvous per restart
+                env = self.cluster_environment
+                rank_zero_info(f"Initializing distributed (torchrun, attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}"
+                               f"): {env.world_size()} ranks")
+                C.init_process_group_in_launcher_store(backend, env.global_rank(), env.world_size(), env.main_address,
+                                                       env.main_port, int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                                                       **kwargs)
+            else:
+                _init_dist_connection(self.cluster_environment, backend, **kwargs)
             C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
         C.install_exit_guard()  # gloo's worker threads and the interpreter's exit (collectives.py)
         self._make_groups()

@@ -81,11 +81,10 @@ def test_bad_input_names_the_key_and_the_fix(argv, expected):
         assert part in message, f"{part!r} not in {message!r}"
 
 
-def test_resume_from_last_without_an_earlier_run_is_refused_before_launch(tmp_path):
-    message = preflight(["ckpt_path=last", f"hydra.run.dir={tmp_path}/run"])
-    assert message is not None and "ckpt_path=last: no earlier run" in message and str(tmp_path) in message
-    (tmp_path / "earlier" / "checkpoints" / "last.ckpt").mkdir(parents=True)
+def test_resume_from_last_without_a_checkpoint_is_not_refused_before_launch(tmp_path):
+    """``ckpt_path=last`` serves a job's first start too (it warns and starts fresh: tests/app/test_resume_last.py)."""
     assert preflight(["ckpt_path=last", f"hydra.run.dir={tmp_path}/run"]) is None
+    assert "no such checkpoint" in preflight([f"ckpt_path={tmp_path}/nothing", f"hydra.run.dir={tmp_path}/run"])
 
 
 @pytest.mark.slow

@@ -160,6 +160,27 @@ def init_process_group(backend: str, rank: int, world_size: int, init_method: st
     install_exit_guard()
 
 
+def init_process_group_in_launcher_store(backend: str, rank: int, world_size: int, host: str, port: int,
+                                         attempt: int, timeout: timedelta, device_id: Any = None) -> None:
+    """The default group of a torchrun job, rendezvous in torchrun's own store under a key prefix of this attempt.
+    torch's ``env://`` rendezvous reuses the store's keys across ``--max-restarts`` restarts, so a restarted rank can
+    read the address a dead rank of the previous attempt published and fail ("Gloo connectFullMesh failed ...
+    Connection refused"); a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt's keys apart."""
+    store = dist.PrefixStore(f"lightning_shard/attempt_{attempt}",
+                             dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    kwargs = {"device_id": device_id} if device_id is not None else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+
+
+def agree_in_launcher_store(key: str, proposal: str, host: str, port: int, timeout: timedelta) -> str:
+    """One value every process of a launch agrees on, before any process group exists: the first proposal set under
+    ``key`` in the launcher's own key-value store at ``host:port`` wins and every caller gets it back. torchrun's
+    agent hosts that store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it across the job's restarts, so the value
+    stays the same for every rank, node and restart of one job. Not a collective: nothing goes into the ledger."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return store.compare_set(key, "", proposal).decode()
+
+
 # ---------------------------------------------------------------------------------------------- a clean exit
 EXIT_GIL_RELEASE_S = 0.05
 _exit_guard = {"installed": False}

@@ -1,0 +1,125 @@
+"""Launches for real: torchrun processes on loopback, as users launch on clusters (the Hydra app under
+``torchrun``), with the failures a long job meets. Every run trains the ``gpt_test`` recipe (fp32, 2 ranks unless
+said) and is compared with an uninterrupted run by its consolidated weights.
+
+* one job, one run folder: every rank, node and restart writes into the same folder;
+* ``--max-restarts`` with ``ckpt_path=last``: a rank SIGKILLed after a checkpoint (once, then twice) -> the job ends
+  rc 0, resumed from the step of the last checkpoint, equal to the uninterrupted run;
+* two torchrun "nodes" of one rank each equal one node of two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+COMMON = ["recipe=gpt_test", "trainer=quiet", "seed=1234", "recipe.model.warmup_steps=8", "trainer.max_steps=6"]
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "LIGHTNING_SHARD_"))}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def torchrun(cwd: Path, overrides: list[str], *, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
+             port: int = 0, max_restarts: int = 0, rdzv_id: str = "") -> subprocess.Popen:
+    """``torchrun``: several nodes with the static rendezvous (``--node-rank``, ``--master-addr``), one node with the
+    c10d rendezvous, which restarts need (torch 2.13's static rendezvous hangs at a restart's rendezvous)."""
+    cmd = [TORCHRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           "--monitor-interval=0.5"]
+    if nnodes > 1:
+        cmd += [f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port or _port()}"]
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port or _port()}"]
+        cmd += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
+    cmd += ["-m", "lightning_shard.train", *overrides]
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: int = 400) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _run_folders(cwd: Path) -> list[Path]:
+    return sorted(p.parent for p in cwd.glob("outputs/*/*/*/.hydra"))
+
+
+def _weights(run: Path, out: Path) -> dict[str, torch.Tensor]:
+    done = subprocess.run([sys.executable, "-m", "lightning_shard.cli", "consolidate", str(run / "checkpoints" /
+                           "last.ckpt"), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    cwd = tmp_path_factory.mktemp("whole")
+    _finish(torchrun(cwd, COMMON))
+    (run,) = _run_folders(cwd)
+    return _weights(run, cwd / "whole.pt")
+
+
+@pytest.mark.parametrize("kills,rdzv_id", [([3], ""), ([3, 5], "job-7")], ids=["killed_once", "killed_twice"])
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_equal(tmp_path, uninterrupted, kills, rdzv_id):
+    """Without a job id (``--rdzv-id``) the ranks agree on the run folder through torchrun's store; with one, the
+    folder is named by it. Either way the restarts find the job's own checkpoint."""
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    kill = ["+callbacks.kill._target_=tests.launch_callbacks.KillAt", f"+callbacks.kill.steps={kills}",
+            f"+callbacks.kill.marker={marker}"]
+    out = _finish(torchrun(tmp_path, [*COMMON, "ckpt_path=last", *kill], max_restarts=len(kills), rdzv_id=rdzv_id))
+    (run,) = _run_folders(tmp_path)  # one folder for the job and its restarts
+    assert run.name == (f"torchrun-{rdzv_id}" if rdzv_id else run.name)
+    assert "ckpt_path=last: no complete checkpoints/last.ckpt" in out  # the first start: nothing yet, fresh
+    resumed = [int(s) for s in _resumed_steps(out)]
+    # checkpoints every val_every_n_steps = 2 optimizer steps: a kill as step k starts resumes from the even step
+    # before it
+    assert resumed == [k - k % 2 if k % 2 == 0 else k - 1 for k in kills], out[-3000:]
+    diff = _max_diff(_weights(run, tmp_path / "killed.pt"), uninterrupted)
+    summary = json.loads((run / "summary.json").read_text())
+    delays = [float((marker / f"resumed-{i + 1}").read_text().split()[0]) - float((marker / f"kill-{k}").read_text())
+              for i, k in enumerate(kills)]
+    print(f"kills at steps {kills}: resumed at steps {resumed}, max |diff| {diff:.3g}, seconds from kill to "
+          f"training again {[round(d, 1) for d in delays]}")
+    assert summary["optimizer_steps"] == 6
+    assert diff == 0.0, f"the restarted job ends {diff} away from the uninterrupted one"
+
+
+def _resumed_steps(out: str) -> list[str]:
+    return [line.split("resumed at optimizer step ")[1].split()[0] for line in out.splitlines()
+            if "resumed at optimizer step " in line]
+
+
+def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path, uninterrupted):
+    port = _port()
+    nodes = ["trainer.devices=1", "trainer.num_nodes=2"]
+    first = torchrun(tmp_path, [*COMMON, *nodes], nproc=1, nnodes=2, node_rank=0, port=port)
+    time.sleep(2)  # the second node starts late
+    second = torchrun(tmp_path, [*COMMON, *nodes], nproc=1, nnodes=2, node_rank=1, port=port)
+    _finish(first), _finish(second)
+    (run,) = _run_folders(tmp_path)  # the nodes agreed on one run folder
+    assert _max_diff(_weights(run, tmp_path / "nodes.pt"), uninterrupted) == 0.0
