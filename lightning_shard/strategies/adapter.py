@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import socket
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Optional
@@ -21,6 +22,7 @@ from ..engine.comm.choices import CommChoices
 from ..engine.comm.groups import Groups
 from ..engine.engine import ShardEngine
 from ..options import ZeroOptions
+from ..topology.agree import disagreement, node_summary
 from ..topology.model import Topology
 from ..topology.resolve import resolve
 from .process_groups import check_job_placement, make_groups
@@ -119,6 +121,7 @@ class EngineAdapter:
                 _init_dist_connection(self.cluster_environment, backend, **kwargs)
             C.set_timeout(self._timeout)  # from now on a collective waits at most timeout_s
         C.install_exit_guard()  # gloo's worker threads and the interpreter's exit (collectives.py)
+        self._check_nodes_agree()
         self._make_groups()
         opts = self.options
         shard = self._groups.axes["shard"] if self._groups.axes else None
@@ -130,6 +133,17 @@ class EngineAdapter:
         ``shard_size="auto"`` cannot be resolved)."""
         spec = self.options.topology
         return None if spec is None else resolve(spec, self.num_processes)
+
+    def _check_nodes_agree(self) -> None:
+        """Each node resolved ``topology`` on its own (a capture file or ``"detect"`` describes the node it is read
+        on): gather every node's summary (collective) and stop on every rank, naming the nodes whose machine
+        differs from node 0's, before any group is built from it."""
+        if self.options.topology is None or self.num_nodes <= 1:
+            return
+        mine = (self.node_rank, socket.gethostname(), node_summary(self._topology()))
+        message = disagreement(C.all_gather_object(mine, tag="the topology of each node"))
+        if message is not None:
+            raise ValueError(message)
 
     def _make_groups(self) -> None:
         """The shard / replicate / island process groups the options ask for (collective: every rank)."""

@@ -123,3 +123,44 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path, uninterrupted):
     _finish(first), _finish(second)
     (run,) = _run_folders(tmp_path)  # the nodes agreed on one run folder
     assert _max_diff(_weights(run, tmp_path / "nodes.pt"), uninterrupted) == 0.0
+
+
+def test_nodes_with_different_machines_are_named_before_training(tmp_path):
+    """Each node reads its own capture (as ``"detect"`` reads its own GPUs): node 1 has NVLink pairs where node 0 has
+    NVSwitch. Both ranks stop at setup with one message naming node 1 and what it has."""
+    port = _port()
+    assets = ROOT / "tests" / "assets" / "topology"
+    nodes = ["trainer.devices=1", "trainer.num_nodes=2"]
+    procs = [torchrun(tmp_path, [*COMMON, *nodes, f"strategy.topology={assets / capture}"], nproc=1, nnodes=2,
+                      node_rank=rank, port=port)
+             for rank, capture in enumerate(["f03_h100_sxm_nvswitch_tabs.txt", "f08_h100_nvl_pairs.txt"])]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0
+        assert "do not have the same machine" in out and "node 1 (" in out, out[-3000:]
+        assert "pairs: NODE x 8, NV12 x 4, SYS x 16" in out and "pairs: NV18 x 28" in out
+        assert "optimizer step" not in out.split("do not have the same machine")[0]
+    message = next(line for line in outs[0].splitlines() if "do not have the same machine" in line)
+    print(message)
+
+
+def test_two_nodes_of_two_ranks_hybrid_equal_four_ranks(tmp_path):
+    """zero3_hybrid over two torchrun nodes of two ranks (shard inside each node's island, replicate across) ends
+    within fp32 rounding (1e-5) of zero3 over four ranks of one node: the same global batch, reduced in another
+    order."""
+    batch = ["recipe.global_batch_size=16", "trainer.max_steps=4"]
+    one = tmp_path / "one"
+    one.mkdir()
+    _finish(torchrun(one, [*COMMON, *batch, "strategy=zero3", "topology=cpu", "topology.devices=4"], nproc=4))
+    two = tmp_path / "two"
+    two.mkdir()
+    port = _port()
+    hybrid = [*COMMON, *batch, "strategy=zero3_hybrid", "topology=cpu", "topology.devices=2", "topology.nodes=2"]
+    procs = [torchrun(two, hybrid, nproc=2, nnodes=2, node_rank=rank, port=port) for rank in (0, 1)]
+    outs = [_finish(p) for p in procs]
+    (run_one,), (run_two,) = _run_folders(one), _run_folders(two)
+    summary = json.loads((run_two / "summary.json").read_text())
+    assert summary["world_size"] == 4 and run_two.parent.name == "zero3_hybrid-cpu", outs[0][-2000:]
+    diff = _max_diff(_weights(run_one, tmp_path / "one.pt"), _weights(run_two, tmp_path / "two.pt"))
+    print(f"2 nodes x 2 ranks zero3_hybrid vs 1 node x 4 ranks zero3: max |diff| {diff:.3g}")
+    assert diff <= 1e-5
