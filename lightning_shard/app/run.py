@@ -13,11 +13,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from hydra.utils import instantiate
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_shard.callbacks import CommSummary
+from lightning_shard.requeue import SlurmRequeue
 
 from .config import build_callbacks, build_loggers, build_trainer_kwargs
 from .report import NO_PLOT, write_report, write_summary
@@ -43,8 +45,12 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     out_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
     ckpt_path = resolve_ckpt_path(cfg)
     final = FinalCheckpoint()
-    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir), final, ResumeReport()],
-                        logger=loggers or False, **build_trainer_kwargs(cfg, accumulate))
+    # under SLURM: save at a step boundary and requeue on SIGUSR1 (requeue.py) instead of Lightning's handler
+    requeue = [SlurmRequeue()] if SLURMEnvironment.detect() else []
+    plugins = [SLURMEnvironment(auto_requeue=False)] if requeue else None
+    trainer = L.Trainer(strategy=strategy, callbacks=[comm, *build_callbacks(cfg, out_dir), final, ResumeReport(),
+                                                      *requeue],
+                        plugins=plugins, logger=loggers or False, **build_trainer_kwargs(cfg, accumulate))
     if ckpt_path is not None:
         rank_zero_info(f"lightning_shard.train: resuming from {ckpt_path}")
     choices = _choices()
@@ -62,7 +68,8 @@ def fit(cfg: DictConfig, accumulate: int) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     last_ckpt = final.path
     last_val_step = comm.val_losses[-1][0] if comm.val_losses else None
-    if cfg.final_validation and last_val_step != trainer.global_step:
+    stopped_for_requeue = any(r.saved for r in requeue)  # the time limit is near: no extra validation
+    if cfg.final_validation and last_val_step != trainer.global_step and not stopped_for_requeue:
         trainer.validate(module, datamodule=datamodule, verbose=False)
 
     summary = full_summary(comm, trainer, module, cfg, choices, time.perf_counter() - t0)

@@ -164,3 +164,42 @@ def test_two_nodes_of_two_ranks_hybrid_equal_four_ranks(tmp_path):
     diff = _max_diff(_weights(run_one, tmp_path / "one.pt"), _weights(run_two, tmp_path / "two.pt"))
     print(f"2 nodes x 2 ranks zero3_hybrid vs 1 node x 4 ranks zero3: max |diff| {diff:.3g}")
     assert diff <= 1e-5
+
+
+def _slurm_task(cwd: Path, overrides: list[str], rank: int, port: int, bin_dir: Path) -> subprocess.Popen:
+    """One task of ``srun --ntasks=2`` on one node, as SLURM starts it (its environment), with ``scontrol`` on the
+    PATH replaced by a script that records its arguments."""
+    env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NODELIST="localhost",
+               SLURM_JOB_NUM_NODES="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.Popen([sys.executable, "-m", "lightning_shard.train", *overrides], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_slurm_signal_saves_at_a_step_requeues_and_the_requeued_job_resumes(tmp_path, uninterrupted):
+    """``--signal=USR1@90`` reaches rank 0 only, as step 4 starts: the ranks agree at the end of that step, save
+    ``last.ckpt`` there, rank 0 calls ``scontrol requeue 4242`` and both exit 0. The requeued job (the same command,
+    the same job id: the same run folder) resumes from step 4 and ends equal to the uninterrupted run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    signal_at = ["+callbacks.usr1._target_=tests.launch_callbacks.SignalAt", "+callbacks.usr1.step=3",
+                 f"+callbacks.usr1.marker={tmp_path / 'signalled'}"]
+    overrides = [*COMMON, "ckpt_path=last", *signal_at]
+    for attempt in ("first", "requeued"):
+        port = _port()
+        procs = [_slurm_task(tmp_path, overrides, rank, port, bin_dir) for rank in (0, 1)]
+        outs = [_finish(p, timeout=240) for p in procs]
+        out = outs[0]
+        if attempt == "first":
+            assert "saved step 4" in out and "requeued SLURM job 4242" in out, out[-3000:]
+            assert calls.read_text().split() == ["requeue", "4242"]
+    assert "resumed at optimizer step 4" in out, out[-3000:]
+    (run,) = _run_folders(tmp_path)
+    assert run.name == "slurm-4242"
+    diff = _max_diff(_weights(run, tmp_path / "slurm.pt"), uninterrupted)
+    print(f"SLURM signal at step 4, requeued, resumed at step 4: max |diff| {diff:.3g}")
+    assert diff == 0.0
