@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from typing import Any, Optional
 
 
@@ -33,9 +34,12 @@ def register(sub: Any) -> None:
     src.add_argument("--preset", action="append", metavar="NAME", help="topology preset (repeat to compare)")
     src.add_argument("--file", metavar="CAPTURE", help="a saved `nvidia-smi topo -m`")
     p.add_argument("--gpus", type=int, help="ranks (default: every device of the topology)")
-    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks")
-    p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per forward/backward")
-    p.add_argument("--precision", default="bf16-true")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step, all ranks (default: the recipe's; "
+                   "a planning size or shape: 64)")
+    p.add_argument("--micro-batch", type=int, help="samples per rank per forward/backward (default: the recipe's; "
+                   "a planning size or shape: 1)")
+    p.add_argument("--precision", help="Lightning precision (default: the recipe's trainer, 32-true; a planning size "
+                   "or shape: bf16-true)")
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd_plain"])
     p.add_argument("--device-memory-gb", type=float, help="override the device memory figure")
     p.add_argument("--device-tflops", type=float, help="override the device's dense 16-bit TFLOP/s")
@@ -55,11 +59,18 @@ def build_model(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from .hardware import device_spec
+    from .models import recipe_job
     from .recommend import plan, resolve_topology
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'lightning-shard[plot]'")
     module = build_model(args)
+    job, source = recipe_job(args.recipe)
+    given = {"global_batch": args.global_batch, "micro_batch": args.micro_batch, "precision": args.precision}
+    job.update({k: v for k, v in given.items() if v is not None})
+    if not all(v is not None for v in given.values()):
+        print(f"planning with global batch {job['global_batch']}, micro-batch {job['micro_batch']}, precision "
+              f"{job['precision']}: {source} (--global-batch, --micro-batch, --precision to change)", file=sys.stderr)
     topologies = args.preset or [args.file or "detect"]
     results = []
     for name in topologies:
@@ -67,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if args.device_memory_gb or args.device_tflops:
             d = resolve_topology(name, args.gpus or 1).devices[0]
             device = device_spec(d.model, d.kind, args.device_memory_gb, args.device_tflops)
-        results.append(plan(module, name, args.gpus, args.global_batch, args.micro_batch, args.precision,
+        results.append(plan(module, name, args.gpus, job["global_batch"], job["micro_batch"], job["precision"],
                             seq=args.seq, optimizer=args.optimizer, device=device))
     if args.json:
         print(json.dumps([r.to_dict(args.recipe) for r in results], indent=2, default=str))

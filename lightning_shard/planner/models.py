@@ -56,6 +56,24 @@ def from_recipe(name: str) -> nn.Module:
     return build_gpt(m["n_layer"], m["n_embd"], m["n_head"], seq, m["vocab_size"])
 
 
+# what a planning size or a bare shape is planned with unless told otherwise (``lightning-shard plan``)
+UNSHIPPED_JOB = {"global_batch": 64, "micro_batch": 1, "precision": "bf16-true"}
+
+
+def recipe_job(name: Optional[str]) -> tuple[dict, str]:
+    """The batch and precision ``name`` trains with: a shipped Hydra recipe's ``global_batch_size`` and
+    ``micro_batch_size`` and the trainer's default precision (``conf/trainer/default.yaml``), with where they come
+    from; a planning size or a shape (``name`` None): :data:`UNSHIPPED_JOB`."""
+    path = RECIPE_DIR / f"{name}.yaml"
+    if name is None or name in SIZES or not path.is_file():
+        return dict(UNSHIPPED_JOB), "the planner's default for a model without a recipe"
+    recipe = yaml.safe_load(path.read_text())
+    trainer = yaml.safe_load((CONF_DIR / "trainer" / "default.yaml").read_text())
+    return ({"global_batch": int(recipe["global_batch_size"]), "micro_batch": int(recipe["micro_batch_size"]),
+             "precision": str(trainer["precision"])}, f"recipe {name} as it trains (recipe/{name}.yaml, "
+            "trainer/default.yaml)")
+
+
 def from_shape(params: Optional[float] = None, layers: Optional[int] = None, hidden: Optional[int] = None,
                heads: Optional[int] = None, seq: int = 2048, vocab: int = 32000) -> nn.Module:
     """A GPT from shape arguments; with only ``params``, the nearest standard shape (the count is the model's)."""

@@ -74,7 +74,7 @@ def test_installed_package_runs_outside_the_checkout(site, tmp_path):
     assert "topology" in conf and "strategy" in conf
     topo = _run(site, tmp_path, "-m", "lightning_shard.cli", "topo", "--preset", "dgx1_v100")
     assert topo.returncode == 0 and "dgx1_v100" in topo.stdout, topo.stderr
-    plan = _run(site, tmp_path, "-m", "lightning_shard.cli", "plan", "gpt_tiny", "--preset", "h100_nvl_8",
+    plan = _run(site, tmp_path, "-m", "lightning_shard.cli", "plan", "gpt_7b", "--preset", "h100_nvl_8",
                 "--gpus", "8")
     assert plan.returncode == 0 and "recommend" in plan.stdout.lower(), plan.stdout + plan.stderr
 

@@ -366,3 +366,22 @@ def test_docs_show_the_real_output(doc, argv):
     assert any("hydra:" in ln for ln in shown) and any("recommended:" in ln for ln in shown)
     for ln in shown:
         assert " ".join(ln.split()) in flat, f"{doc}: {ln.strip()[:100]}"
+
+
+# ----------------------------------------------------------------------------------- the recipe as it trains
+def test_plan_of_a_recipe_uses_its_batch_and_precision_unless_told(capsys):
+    """``plan gpt_tiny`` plans the main job's own settings (global 32, micro 8, 32-true), says so, and prints a
+    command with them; flags win; a planning size keeps the planner's defaults (64, 1, bf16-true)."""
+    from lightning_shard.planner.models import UNSHIPPED_JOB, recipe_job
+
+    assert recipe_job("gpt_tiny")[0] == {"global_batch": 32, "micro_batch": 8, "precision": "32-true"}
+    assert recipe_job("gpt_7b")[0] == UNSHIPPED_JOB and recipe_job(None)[0] == UNSHIPPED_JOB
+    assert main(["plan", "gpt_tiny", "--preset", "cpu", "--gpus", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "planning with global batch 32, micro-batch 8, precision 32-true: recipe gpt_tiny" in err
+    assert "recipe.global_batch_size=32 recipe.micro_batch_size=8 trainer.precision=32-true" in " ".join(out.split())
+    assert main(["plan", "gpt_tiny", "--preset", "cpu", "--gpus", "2", "--global-batch", "64", "--micro-batch", "4",
+                 "--precision", "bf16-mixed"]) == 0
+    out, err = capsys.readouterr()
+    assert "planning with" not in err
+    assert "recipe.global_batch_size=64 recipe.micro_batch_size=4 trainer.precision=bf16-mixed" in " ".join(out.split())
