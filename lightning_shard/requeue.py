@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
-def slurm_job_id(env: Optional[dict] = None) -> Optional[str]:
+def slurm_job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """What ``scontrol requeue`` takes: ``<array job>_<task>`` for an array task, else ``SLURM_JOB_ID``."""
     env = os.environ if env is None else env
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):

@@ -23,6 +23,8 @@ import time
 from datetime import timedelta
 from typing import Mapping, Optional
 
+from lightning_shard.requeue import slurm_job_id
+
 ENV = "LIGHTNING_SHARD_RUN_NAME"
 STORE_KEY = "lightning_shard/run_name"
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # the same as the ${now:...} of conf/train.yaml
@@ -31,10 +33,9 @@ STORE_TIMEOUT_S = 300  # the slowest node's start-up, not a collective
 
 def launcher_job_id(env: Mapping[str, str]) -> Optional[str]:
     """The job id the launcher gives every process of a job, restarts and requeues included; None without one."""
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}"
+    slurm = slurm_job_id(env)  # what scontrol requeue takes: the same job after a requeue
+    if slurm:
+        return f"slurm-{slurm}"
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun-{run_id}"
