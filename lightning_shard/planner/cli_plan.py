@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd_plain"])
     p.add_argument("--device-memory-gb", type=float, help="override the device memory figure")
     p.add_argument("--device-tflops", type=float, help="override the device's dense 16-bit TFLOP/s")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine first (one process per planned rank: compute, optimizer, collectives "
+                        "by size) and plan with the calibrated time model; a cached profile is reused")
+    p.add_argument("--profile", metavar="FILE.json",
+                   help="with --calibrate: the machine profile to read and write (default: the cache, "
+                        "~/.cache/lightning_shard/profiles or $LIGHTNING_SHARD_CACHE)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--plot", metavar="FILE.png",
                    help="bar charts of step time and memory per strategy and topology, each topology's memory limit")
@@ -62,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from .models import recipe_job
     from .recommend import plan, resolve_topology
 
+    if args.profile and not args.calibrate:
+        raise ValueError("--profile is the calibrated model's machine profile: add --calibrate")
+    if args.calibrate and args.preset and len(args.preset) > 1:
+        raise ValueError("--calibrate measures this machine: plan one topology (the one this machine has)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'lightning-shard[plot]'")
     module = build_model(args)
@@ -79,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
             d = resolve_topology(name, args.gpus or 1).devices[0]
             device = device_spec(d.model, d.kind, args.device_memory_gb, args.device_tflops)
         results.append(plan(module, name, args.gpus, job["global_batch"], job["micro_batch"], job["precision"],
-                            seq=args.seq, optimizer=args.optimizer, device=device))
+                            seq=args.seq, optimizer=args.optimizer, device=device, calibrate=args.calibrate,
+                            profile_path=args.profile))
+        if results[-1].calibration:
+            print(f"calibration: {results[-1].calibration}", file=sys.stderr)
     if args.json:
         print(json.dumps([r.to_dict(args.recipe) for r in results], indent=2, default=str))
     else:
@@ -137,10 +150,18 @@ def render(res: Any, recipe: Optional[str] = None) -> None:
     console.print(f"          {how.trainer}", **plain)
     for note in how.notes:
         console.print(f"  note:   {note}", **plain)
+    if ctx.calibrated:
+        prof = ctx.rates.profile
+        compute = "measured" if ctx.rates.compute else "at the measured matmul FLOP/s"
+        timing = (f"calibrated on this machine ({prof.machine.get('device')}, {prof.machine.get('backend')}, "
+                  f"{prof.machine.get('world')} ranks): compute {compute}, collectives by path and size, the "
+                  f"optimizer step, {ctx.rates.overlap:.0%} of hideable communication overlapped")
+    else:
+        timing = (f"nominal: 6Ψ+attention FLOPs at {ctx.efficiency:.0%} of peak, rings at {ctx.bus_efficiency:.0%} "
+                  "of their slowest link (--calibrate: measured on this machine)")
     console.print(f"[dim]memory: peak per rank incl. activations ({_gib(ctx.activations)} GiB, Korthikanti et al. "
                   f"2022, fused attention); usable = 90% of {_gib(ctx.device.memory_bytes)} GiB. Bytes: wire bytes "
-                  f"per rank per optimizer step by the slowest hop of each ring. Time: 6Ψ+attention FLOPs at "
-                  f"{ctx.efficiency:.0%} of peak, rings at {ctx.bus_efficiency:.0%} of their slowest link.[/dim]")
+                  f"per rank per optimizer step by the slowest hop of each ring. Time: {escape(timing)}.[/dim]")
 
 
 def plot(results: list, path: str) -> Any:

@@ -16,7 +16,7 @@ from .layout import OptimizerGroups, default_groups, plan_layout
 from .memory import fits, peak_bytes, state_bytes, zero_paper_bytes
 from .placement import JobPlacement
 from .stats import TransformerShape, activation_bytes, transformer_shape
-from .time import DEFAULT_BUS_EFFICIENCY, DEFAULT_EFFICIENCY, StepTime, step_time
+from .time import DEFAULT_BUS_EFFICIENCY, DEFAULT_EFFICIENCY, Calibrated, Nominal, StepTime, step_time
 from .traffic import buffer_groups, by_link_class, step_collectives
 
 
@@ -40,7 +40,7 @@ class PlanRow:
         return {"strategy": self.config.registered, "label": self.label, "kwargs": self.config.kwargs(),
                 "memory_per_rank": self.memory, "model_states": self.states, "zero_paper_bytes": self.zero_paper,
                 "fits": self.fits, "bytes_per_step": self.traffic, "step_time_s": self.time.total,
-                "compute_s": self.time.compute, "exposed_comm_s": self.time.exposed_comm,
+                "compute_s": self.time.compute, "exposed_comm_s": self.time.exposed_comm, "engine_s": self.time.engine,
                 "link_busy_s": self.time.total_comm, "tokens_per_s": self.tokens_per_s,
                 "rings": {k: {"ranks": r.ranks, "gbps": r.gbps, "class": r.link_class} for k, r in self.rings.items()}}
 
@@ -60,32 +60,52 @@ class Context:
     buffers: list[int]
     efficiency: float = DEFAULT_EFFICIENCY
     bus_efficiency: float = DEFAULT_BUS_EFFICIENCY
+    rates: Any = None  # time.Nominal, or time.Calibrated with a machine profile
+
+    @property
+    def calibrated(self) -> bool:
+        return isinstance(self.rates, Calibrated)
 
 
 def make_context(module: nn.Module, groups: Optional[OptimizerGroups], placement: JobPlacement, job: Job,
                  device: DeviceSpec, activations: Optional[float] = None, efficiency: float = DEFAULT_EFFICIENCY,
-                 bus_efficiency: float = DEFAULT_BUS_EFFICIENCY) -> Context:
+                 bus_efficiency: float = DEFAULT_BUS_EFFICIENCY, profile: Any = None) -> Context:
+    """``profile``: a :class:`~.profile.MachineProfile` of the machine the job runs on (the calibrated time model);
+    None: the nominal one."""
     shape = transformer_shape(module, job.seq if job.seq > 1 else None)
     if activations is None:
         activations = activation_bytes(shape, job.micro_batch, job.act_bytes) if shape is not None else 0.0
+    rates: Any = Nominal(device.peak_flops, efficiency, bus_efficiency, device.memory_bw)
+    if profile is not None:
+        from .calibrate import model_signature
+
+        measured = profile.compute.get(model_signature(module, shape, job))
+        rates = Calibrated(profile, tuple(measured) if measured else None, rates)
     return Context(module, groups if groups is not None else default_groups(module), placement, job, device, shape,
                    activations, float(sum(p.numel() for p in module.parameters())),
                    buffer_groups(module, job.param_dtype if job.param_dtype.is_floating_point else None),
-                   efficiency, bus_efficiency)
+                   efficiency, bus_efficiency, rates)
+
+
+def collectives_of(ctx: Context, cfg: StrategyConfig) -> tuple[Any, list]:
+    """The engine's layout for ``cfg`` and every collective of one optimizer step."""
+    job = ctx.job
+    layout = plan_layout(ctx.module, ctx.groups, cfg.stage, cfg.shard_size or job.world, cfg.bucket_mb,
+                         cfg.granularity, cfg.wrap_classes if cfg.wrap_classes is not None else "auto",
+                         cfg.min_params, param_dtype=job.param_dtype, min_unit_mb=cfg.min_unit_mb)
+    return layout, step_collectives(layout, cfg, job, ctx.buffers, num_optimizers=len(ctx.groups))
 
 
 def evaluate(ctx: Context, cfg: StrategyConfig) -> PlanRow:
     job = ctx.job
     shard = cfg.shard_size or job.world
-    layout = plan_layout(ctx.module, ctx.groups, cfg.stage, shard, cfg.bucket_mb, cfg.granularity,
-                         cfg.wrap_classes if cfg.wrap_classes is not None else "auto", cfg.min_params,
-                         param_dtype=job.param_dtype, min_unit_mb=cfg.min_unit_mb)
-    colls = step_collectives(layout, cfg, job, ctx.buffers, num_optimizers=len(ctx.groups))
+    layout, colls = collectives_of(ctx, cfg)
     rings = ctx.placement.groups(cfg.shard_size, cfg.secondary_shard)
     memory = peak_bytes(layout, cfg, job, int(ctx.activations))
     states = state_bytes(layout, cfg, job)
-    t = step_time(layout, cfg, job, colls, rings, ctx.psi, ctx.shape, ctx.device.peak_flops, ctx.efficiency,
-                  ctx.bus_efficiency, ctx.device.memory_bw)
+    params = list(ctx.module.parameters())
+    trainable = float(sum(p.numel() for p in params if p.requires_grad))
+    t = step_time(layout, cfg, job, colls, rings, ctx.psi, ctx.shape, ctx.rates, trainable, len(params))
     traffic = by_link_class(colls, {k: r.link_class for k, r in rings.items()})
     paper = zero_paper_bytes(ctx.psi, shard, cfg.stage, job.precision, job.optimizer)
     return PlanRow(cfg, memory, states, paper, fits(memory["total"], ctx.device.memory_bytes), traffic, t,

@@ -14,7 +14,7 @@ from torch import nn
 from ..topology import Topology
 from ..topology.resolve import resolve as resolve_topology
 from .config import Job, StrategyConfig, batch_split, check_precision
-from .evaluate import Context, PlanRow, candidates, evaluate, island_shard_size, make_context
+from .evaluate import Context, PlanRow, candidates, collectives_of, evaluate, island_shard_size, make_context
 from .hardware import DeviceSpec, device_spec
 from .layout import groups_of
 from .placement import place
@@ -33,6 +33,7 @@ class PlanResult:
     reason: str
     context: Context
     topology_spec: Optional[str] = None  # what the topology was asked as: a preset name, a capture path, "detect"
+    calibration: Optional[str] = None  # what calibration did (measured, reused), when the plan asked for it
 
     def to_dict(self, recipe: Optional[str] = None) -> dict[str, Any]:
         """JSON-ready; every row carries the Hydra overrides and the Python constructor that run it (advice.py)."""
@@ -49,6 +50,7 @@ class PlanResult:
                 "device_memory_bytes": ctx.device.memory_bytes, "params": ctx.psi,
                 "accumulation": ctx.job.accumulation, "micro_batch": ctx.job.micro_batch, "seq": ctx.job.seq,
                 "precision": ctx.job.precision, "activations_bytes": ctx.activations,
+                "time_model": ctx.rates.name, "calibration": self.calibration,
                 "recommended": self.best.label, "runner_up": self.runner_up.label if self.runner_up else None,
                 "reason": self.reason, "reproduce": reproduce(self, recipe=recipe).to_dict(), "rows": rows}
 
@@ -59,6 +61,9 @@ class Recommendation:
     kwargs: dict[str, Any]  # the registered class's keywords (``StrategyConfig.kwargs()``)
     reason: str
     table: list[dict[str, Any]]
+    predicted_step_s: float = 0.0  # the pick's predicted seconds per optimizer step
+    time_model: str = "nominal"  # or "calibrated"
+    calibration: Optional[str] = None  # what calibration did (measured, reused)
 
 
 def _gib(x: float) -> str:
@@ -69,8 +74,14 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
          micro_batch: int, precision: str = "bf16-true", optimizer_groups: Any = None, seq: Optional[int] = None,
          optimizer: str = "adam", device: Optional[DeviceSpec] = None, configs: Optional[list[StrategyConfig]] = None,
          devices: Optional[list[int]] = None, activations: Optional[float] = None, require_fit: bool = True,
+         calibrate: bool = False, profile_path: Optional[str] = None, in_job: Any = None,
          **ctx_kw: Any) -> PlanResult:
-    """Evaluate ``configs`` (default: every candidate); ``require_fit=False`` ranks them even if none fits."""
+    """Evaluate ``configs`` (default: every candidate); ``require_fit=False`` ranks them even if none fits.
+
+    ``calibrate=True``: time them with the calibrated model, from this machine's profile (``profile_path``, default
+    the cache), measured first by ``world`` processes here where it lacks what this job needs (``calibrate.py``), or,
+    with ``in_job=<this rank's torch.device>``, by every rank of the running job (collective: every rank calls
+    ``plan``); ``profile=`` a :class:`~.profile.MachineProfile` already at hand. Otherwise the nominal model."""
     check_precision(precision)
     topo = resolve_topology(topology, world or 1)
     world = world or len(topo.devices)
@@ -81,8 +92,24 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
     shape = transformer_shape(module, seq)
     job = Job(world=world, micro_batch=micro_batch, accumulation=acc, seq=shape.seq if shape else (seq or 1),
               precision=precision, optimizer=optimizer)
-    ctx = make_context(module, groups_of(optimizer_groups) or None, placement, job, spec, activations, **ctx_kw)
-    rows = [evaluate(ctx, c) for c in (configs or candidates(module, placement, acc))]
+    groups = groups_of(optimizer_groups) or None
+    every = configs is None  # every candidate: compressed variants of the pick are considered too
+    configs = configs or candidates(module, placement, acc)
+    calibration = None
+    if calibrate and ctx_kw.get("profile") is None:
+        from .calibrate import calibrate_in_job, calibrate_job
+
+        ctx0 = make_context(module, groups, placement, job, spec, activations)
+        largest = max((c.bytes for cfg in configs for c in collectives_of(ctx0, cfg)[1]), default=0)
+        shard_sizes = tuple(sorted({cfg.shard_size for cfg in configs if cfg.shard_size}))
+        if in_job is not None:
+            ctx_kw["profile"], _, calibration = calibrate_in_job(module, job, placement, in_job, largest, shard_sizes,
+                                                                 profile_path)
+        else:
+            ctx_kw["profile"], _, calibration = calibrate_job(module, job, placement, largest, shard_sizes,
+                                                              profile_path)
+    ctx = make_context(module, groups, placement, job, spec, activations, **ctx_kw)
+    rows = [evaluate(ctx, c) for c in configs]
     ok = sorted((r for r in rows if r.fits), key=lambda r: (round(r.time.total, 6), r.memory["total"]))
     if not ok and require_fit:
         raise ValueError(nothing_fits(ctx, rows))
@@ -94,7 +121,7 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
     runner = rest[0] if rest else None
     lead = ("fastest that fits" if len(near) == 1 else
             f"leanest of the {len(near)} within {TIE:.0%} of the fastest that fits")
-    quantized = quantized_variant(ctx, best) if configs is None else None
+    quantized = quantized_variant(ctx, best) if every else None
     if quantized is not None:  # compressed communication pays: the exact row becomes the runner-up
         rows.append(quantized)
         lead = (f"{lead} as {best.label}, with compressed communication predicted "
@@ -106,7 +133,7 @@ def plan(module: nn.Module, topology: Union[None, str, Topology], world: Optiona
         reason += (f"; runner-up {runner.label}: {runner.time.total / best.time.total:.2f}x the step time, "
                    f"{_gib(runner.memory['total'])} per rank")
     asked = topology if isinstance(topology, str) else ("cpu" if topology is None else None)
-    return PlanResult(rows, best, runner, reason, ctx, asked)
+    return PlanResult(rows, best, runner, reason, ctx, asked, calibration)
 
 
 def quantized_variant(ctx: Context, best: PlanRow) -> Optional[PlanRow]:
@@ -174,7 +201,8 @@ def recommend_for(module: nn.Module, optimizer_groups_or_none: Any, topology: Un
     """For ``strategy=auto`` at setup: the registered strategy name, its kwargs, the reason and the table."""
     res = plan(module, topology, world_size, global_batch, micro_batch, precision, optimizer_groups_or_none, **kw)
     cfg = res.best.config
-    return Recommendation(cfg.registered, cfg.kwargs(), res.reason, [r.to_dict() for r in res.rows])
+    return Recommendation(cfg.registered, cfg.kwargs(), res.reason, [r.to_dict() for r in res.rows],
+                          res.best.time.total, res.context.rates.name, res.calibration)
 
 
 def auto_policy(stage: int, accumulation: int, grad_bytes: float, free_bytes: Optional[float] = None,

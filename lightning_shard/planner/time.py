@@ -13,6 +13,12 @@ steps = n-1 (2(n-1) for all-reduce), α the slowest hop's latency and busbw = th
 ``bus_efficiency`` (0.8 by default: nccl-tests busbw on NVLink/PCIe typically reaches ~80 % of the link rate,
 e.g. the F09 capture in tests/assets/topology measured 25.9 GB/s on a 31.5 GB/s PCIe Gen4 path).
 
+Two sets of rates price these (``rates``): :class:`Nominal`, the datasheet figures above (planning a machine you do
+not have), and :class:`Calibrated`, a machine profile measured on this machine (``profile.py``, ``calibrate.py``):
+compute as measured for the model, each collective from its measured curve at its bytes (the per-call fixed cost
+included), the optimizer step per element, the engine's own work per bucket operation, byte and parameter tensor,
+and of the communication the schedule below would hide, only the measured share (``overlap``).
+
 Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
   compute; the last bucket (the first layers' gradients) can only start when backward ends:
@@ -30,13 +36,16 @@ Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .config import Job, StrategyConfig
 from .layout import PlannedLayout
 from .placement import Ring
 from .stats import TransformerShape
 from .traffic import Collective
+
+if TYPE_CHECKING:
+    from .profile import MachineProfile
 
 DEFAULT_EFFICIENCY = 0.4
 DEFAULT_BUS_EFFICIENCY = 0.8
@@ -66,10 +75,11 @@ class StepTime:
     compute: float
     exposed_comm: float
     total_comm: float  # link busy time, overlapped or not
+    engine: float = 0.0  # the engine's own work per step (calibrated model: per bucket operation, byte, tensor)
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm
+        return self.compute + self.exposed_comm + self.engine
 
 
 def _pipeline(compute: list[float], comm: list[float], prefetch: bool) -> float:
@@ -100,17 +110,104 @@ def quant_seconds(layout: PlannedLayout, cfg: StrategyConfig, colls: list[Collec
     return traffic / memory_bw
 
 
+@dataclass(frozen=True)
+class Nominal:
+    """The uncalibrated rates: datasheet FLOP/s at ``efficiency``, rings at ``bus_efficiency`` of their slowest link,
+    no optimizer time, communication fully hidden where the schedule allows (planning a machine you do not have)."""
+
+    peak_flops: float
+    efficiency: float = DEFAULT_EFFICIENCY
+    bus_efficiency: float = DEFAULT_BUS_EFFICIENCY
+    memory_bw: float = 2e12
+    name = "nominal"
+
+    def micro_batch(self, psi: float, shape: Optional[TransformerShape], job: Job) -> tuple[float, float]:
+        t = training_flops_per_token(psi, shape) * job.micro_batch * job.seq / (self.peak_flops * self.efficiency)
+        return t / 3, 2 * t / 3
+
+    def collective(self, c: Collective, ring: Ring, cfg: StrategyConfig) -> float:
+        return collective_seconds(c, ring, self.bus_efficiency)
+
+    def optimizer(self, elements: float) -> float:
+        return 0.0
+
+    def engine(self, ops: list[Collective], tensors: int) -> float:
+        return 0.0
+
+    @property
+    def overlap(self) -> float:
+        return 1.0
+
+
+def profile_op(c: Collective, cfg: StrategyConfig) -> str:
+    """The machine profile's name for the path a planned collective takes (``profile.py``)."""
+    if c.kind == "grad" and cfg.reduce_quant != "none":
+        return "all_to_all"
+    if c.kind == "grad" and c.op in ("reduce_scatter", "all_to_all"):
+        return "reduce"
+    return {"all_gather": "gather"}.get(c.op, c.op)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """Rates measured on this machine (``profile.py``): a micro-batch's forward and backward seconds, seconds per
+    collective call by its path, group and bytes (fixed cost included), the optimizer step per element, and the share
+    of communication that really runs behind compute. What the profile lacks comes from ``fallback``."""
+
+    profile: "MachineProfile"
+    compute: Optional[tuple[float, float]]  # this model's (forward, backward) seconds per micro-batch, if measured
+    fallback: Nominal
+    name = "calibrated"
+
+    def micro_batch(self, psi: float, shape: Optional[TransformerShape], job: Job) -> tuple[float, float]:
+        if self.compute is not None:
+            return self.compute
+        if self.profile.matmul_flops:
+            t = training_flops_per_token(psi, shape) * job.micro_batch * job.seq / self.profile.matmul_flops
+            return t / 3, 2 * t / 3
+        return self.fallback.micro_batch(psi, shape, job)
+
+    def collective(self, c: Collective, ring: Ring, cfg: StrategyConfig) -> float:
+        if c.world <= 1:
+            return 0.0
+        curve = self.profile.collective(profile_op(c, cfg), c.world, ring.link_class)
+        return curve(c.bytes) if curve is not None else self.fallback.collective(c, ring, cfg)
+
+    def optimizer(self, elements: float) -> float:
+        return elements * self.profile.optimizer_s_per_element
+
+    def engine(self, ops: list[Collective], tensors: int) -> float:
+        p = self.profile
+        return (len(ops) * (p.engine_s_per_call or 0.0) + sum(c.bytes for c in ops) * p.engine_s_per_byte
+                + tensors * p.engine_s_per_tensor)
+
+    @property
+    def overlap(self) -> float:
+        return 1.0 if self.profile.overlap is None else self.profile.overlap
+
+    @property
+    def memory_bw(self) -> float:  # not measured: the datasheet's (quantization's cost)
+        return self.fallback.memory_bw
+
+
 def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[Collective],
-              rings: dict[str, Ring], psi: float, shape: Optional[TransformerShape], peak_flops: float,
-              efficiency: float = DEFAULT_EFFICIENCY, bus_efficiency: float = DEFAULT_BUS_EFFICIENCY,
-              memory_bw: float = 2e12) -> StepTime:
-    tokens = job.micro_batch * job.seq
-    t_mb = training_flops_per_token(psi, shape) * tokens / (peak_flops * efficiency)
-    t_quant = quant_seconds(layout, cfg, colls, memory_bw)
-    t_fwd, t_bwd = t_mb / 3, 2 * t_mb / 3
+              rings: dict[str, Ring], psi: float, shape: Optional[TransformerShape], rates: "Nominal | Calibrated",
+              trainable: Optional[float] = None, tensors: int = 0) -> StepTime:
+    """Seconds per optimizer step: compute, the optimizer, the communication the schedule cannot hide (of what it
+    could hide, the share ``rates.overlap`` does not), and the engine's own work per bucket operation and per
+    parameter tensor (``tensors``). ``rates``: :class:`Nominal` or :class:`Calibrated`."""
+    t_fwd, t_bwd = rates.micro_batch(psi, shape, job)
+    t_mb = t_fwd + t_bwd
+    t_quant = quant_seconds(layout, cfg, colls, rates.memory_bw)
+    shard = cfg.shard_size or job.world
+    t_opt = rates.optimizer((psi if trainable is None else trainable) / (1 if layout.stage == 0 else shard))
+
+    # the engine's own work per bucket operation (a unit's gather, a bucket's reduction or post-step gather): it runs
+    # at every world size, a group of one rank included
+    t_engine = rates.engine([c for c in colls if c.kind in ("unshard", "grad", "param")], tensors)
 
     def sec(c: Collective) -> float:
-        return collective_seconds(c, rings[c.group], bus_efficiency)
+        return rates.collective(c, rings[c.group], cfg)
 
     total_comm = sum(sec(c) for c in colls)
     exposed = 0.0
@@ -127,7 +224,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
             red = [sec(c) for c in colls if c.micro_batch == m and c.kind == "grad"]
             if red:
                 exposed += max(sum(red) - t_bwd, red[-1])
-        return StepTime(t_mb * job.accumulation + t_quant, exposed, total_comm)
+        return _with_overlap(StepTime(t_mb * job.accumulation + t_quant + t_opt, exposed, total_comm, t_engine), rates)
     # stage 3: units in forward order (root first: it is gathered around the step), compute by parameter share
     units = layout.units
     weight = [sum(b.numel for b in u.buckets) for u in units]
@@ -150,4 +247,10 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
         exposed += _pipeline([t_fwd * s for s in share], fwd, prefetch)
         order = list(reversed(range(len(units))))  # backward visits units in reverse
         exposed += _pipeline([t_bwd * share[u] for u in order], [bwd[u] for u in order], prefetch)
-    return StepTime(t_mb * job.accumulation + t_quant, exposed, total_comm)
+    return _with_overlap(StepTime(t_mb * job.accumulation + t_quant + t_opt, exposed, total_comm, t_engine), rates)
+
+
+def _with_overlap(t: StepTime, rates: "Nominal | Calibrated") -> StepTime:
+    """Of the communication the schedule hides, the share the machine does not really overlap is exposed too."""
+    hidden = max(0.0, t.total_comm - t.exposed_comm)
+    return StepTime(t.compute, t.exposed_comm + (1.0 - rates.overlap) * hidden, t.total_comm, t.engine)

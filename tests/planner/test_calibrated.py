@@ -1,0 +1,178 @@
+"""The calibrated time model and its machine profile (planner/profile.py, planner/calibrate.py, planner/time.py).
+
+Rates here are synthetic (a profile written by hand) where the test is about the model's arithmetic, and measured
+(a real calibration on 2 CPU ranks) where it is about measuring, caching and reuse. No timing thresholds: a
+measured profile is checked for what it holds, not for how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_shard.planner import plan
+from lightning_shard.planner.calibrate import ladder, model_signature, monotone
+from lightning_shard.planner.evaluate import collectives_of
+from lightning_shard.planner.models import build_gpt
+from lightning_shard.planner.placement import place
+from lightning_shard.planner.profile import OPS, Curve, MachineProfile, library_versions, load_profile, profile_path
+from lightning_shard.planner.time import profile_op
+from lightning_shard.topology.resolve import resolve
+
+MICRO, WORLD = 4, 2
+
+
+def tiny():
+    return build_gpt(4, 64, 4, 64, 256)
+
+
+def link_class(world: int = WORLD) -> str:
+    placement = place(resolve("cpu", world), world)
+    return placement.ring(range(world)).link_class
+
+
+def synthetic(latency: float, overlap: float, compute=(0.01, 0.02), world: int = WORLD) -> MachineProfile:
+    """Every collective costs ``latency`` per call plus 1 GB/s; compute as given for the tiny model."""
+    curves = {f"{op}/{world}/{link_class(world)}": Curve([4096, 2**30], [latency, latency + 2**30 / 1e9])
+              for op in OPS}
+    prof = MachineProfile({"device": "test"}, library_versions(), curves, matmul_flops=1e10,
+                          optimizer_s_per_element=1e-9, overlap=overlap)
+    from lightning_shard.planner.config import Job
+    from lightning_shard.planner.stats import transformer_shape
+
+    module = tiny()
+    job = Job(world=world, micro_batch=MICRO, accumulation=1, seq=64, precision="32-true")
+    prof.compute[model_signature(module, transformer_shape(module), job)] = list(compute)
+    return prof
+
+
+def by_label(res):
+    return {r.label: r for r in res.rows}
+
+
+def test_curve_interpolates_between_rungs_and_continues_the_top_bandwidth():
+    c = Curve([100, 200, 400], [1.0, 2.0, 3.0])
+    assert c(50) == 1.0  # below the first rung: the per-call fixed cost
+    assert c(150) == pytest.approx(1.5)
+    assert c(300) == pytest.approx(2.5)
+    assert c(800) == pytest.approx(5.0)  # 1 s per 200 bytes above the top rung
+    assert c.latency_s == 1.0 and c.bandwidth == pytest.approx(200.0)
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == [1.0, 1.0, 2.0, 5.0]
+    assert ladder(10) == [4096, 16384] and ladder(2**20)[-1] == 2**20
+
+
+def test_calibrated_step_is_compute_plus_every_call_when_nothing_overlaps():
+    """overlap 0: the step is the measured compute, the optimizer on the rank's shard, and each collective's curve at
+    its bytes (fixed cost included), whatever the schedule could have hidden."""
+    prof = synthetic(latency=2e-3, overlap=0.0)
+    res = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof)
+    ctx = res.context
+    assert ctx.calibrated and ctx.rates.compute == (0.01, 0.02)
+    psi = ctx.psi
+    for row in res.rows:
+        colls = collectives_of(ctx, row.config)[1]
+        comm = sum(prof.collective(profile_op(c, row.config), c.world, link_class())(c.bytes) for c in colls
+                   if c.world > 1)
+        opt = psi / (1 if row.config.stage == 0 else WORLD) * 1e-9
+        assert row.time.compute == pytest.approx(0.03 + opt), row.label
+        assert row.time.total == pytest.approx(0.03 + opt + comm), row.label
+
+
+def test_fixed_cost_per_call_ranks_many_small_units_below_few_large_ones():
+    """zero3 gathers and reduces one unit per module with parameters, fsdp_shard one per block: with a per-call cost
+    the calibrated model puts zero3 behind by about the extra calls x that cost; the nominal model (no such cost
+    worth counting on a fast link) cannot tell them apart."""
+    prof = synthetic(latency=5e-3, overlap=0.0)
+    cal = by_label(plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof))
+    z3, fs = cal["zero3 (per_micro_batch)"], cal["fsdp_shard (per_micro_batch)"]
+    ctx = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof).context
+    calls = {label: sum(c.world > 1 for c in collectives_of(ctx, r.config)[1]) for label, r in cal.items()}
+    extra = calls["zero3 (per_micro_batch)"] - calls["fsdp_shard (per_micro_batch)"]
+    assert extra > 0
+    assert z3.time.total - fs.time.total == pytest.approx(extra * 5e-3, rel=0.05)
+    nominal = by_label(plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true"))
+    nz3, nfs = nominal["zero3 (per_micro_batch)"], nominal["fsdp_shard (per_micro_batch)"]
+    assert abs(nz3.time.total / nfs.time.total - 1) < 0.01
+
+
+def test_overlap_hides_only_what_the_schedule_allows():
+    """overlap 1: the schedule's hiding (fsdp_shard's gathers prefetched behind the previous unit's compute) counts in
+    full; overlap 0: none of it; in between, in proportion. The step is never below compute."""
+    steps = {}
+    for ov in (0.0, 0.5, 1.0):
+        res = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=synthetic(1e-3, ov))
+        steps[ov] = by_label(res)["fsdp_shard (per_micro_batch)"].time
+    assert steps[0.0].exposed_comm == pytest.approx(steps[0.0].total_comm)
+    assert steps[1.0].exposed_comm < steps[0.0].exposed_comm
+    assert steps[0.5].exposed_comm == pytest.approx((steps[0.0].exposed_comm + steps[1.0].exposed_comm) / 2)
+    assert steps[1.0].total >= steps[1.0].compute
+
+
+def test_a_profile_round_trips_and_goes_stale_when_the_libraries_change(tmp_path):
+    prof = synthetic(1e-3, 0.5)
+    path = prof.save(tmp_path / "p.json")
+    back, why = load_profile(path)
+    assert why == "" and back.to_json() == prof.to_json()
+    doc = json.loads(path.read_text())
+    doc["versions"]["torch"] = "0.0.1"
+    path.write_text(json.dumps(doc))
+    back, why = load_profile(path)
+    assert back is None and why.startswith("stale profile (torch 0.0.1 -> ")
+    assert load_profile(tmp_path / "none.json") == (None, "no profile yet")
+    machine = {"device": "x", "backend": "gloo", "world": 2, "threads": 1, "topology": "cpu"}
+    assert profile_path(machine) == profile_path(dict(machine))
+    assert profile_path(machine) != profile_path({**machine, "world": 4})
+
+
+def test_calibration_measures_once_then_reuses_and_remeasures_a_stale_profile(tmp_path):
+    """A real calibration on 2 CPU ranks: every collective path of the world group, this model's compute, the
+    optimizer and the overlap are in the profile; planning again reuses it; a profile of other library versions is
+    measured again."""
+    path = tmp_path / "profile.json"
+    first = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
+    assert first.calibration.startswith("measured everything"), first.calibration
+    prof, why = load_profile(path)
+    assert why == ""
+    assert {k.split("/")[0] for k in prof.collectives} == set(OPS)
+    assert all(c.sizes == sorted(c.sizes) and c.seconds == monotone(c.seconds) and min(c.seconds) > 0
+               for c in prof.collectives.values())
+    assert len(prof.compute) == 1 and all(t > 0 for t in next(iter(prof.compute.values())))
+    assert prof.matmul_flops > 0 and prof.optimizer_s_per_element > 0 and 0 <= prof.overlap <= 1
+    assert first.context.calibrated and first.context.rates.compute is not None
+    again = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
+    assert again.calibration == f"reused {path}"
+    assert [r.time.total for r in again.rows] == [r.time.total for r in first.rows]
+    # another model on the same machine: only its compute is measured
+    other = plan(build_gpt(2, 64, 4, 64, 256), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True,
+                 profile_path=str(path))
+    assert other.calibration.startswith("measured this model's compute"), other.calibration
+    assert len(load_profile(path)[0].compute) == 2
+    doc = json.loads(path.read_text())
+    doc["versions"]["lightning_shard"] = "0.0.0"
+    path.write_text(json.dumps(doc))
+    stale = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
+    assert "stale profile (lightning_shard 0.0.0 -> " in stale.calibration
+
+
+def test_cli_plan_calibrate_writes_reuses_and_says_which_model(tmp_path, capsys):
+    """`plan --calibrate`: the table is timed by the calibrated model (``--json``: ``time_model``), stderr says what
+    calibration did, a second run reuses the profile; --profile without --calibrate and --calibrate of two presets
+    are refused with the fix."""
+    from lightning_shard.cli import main
+
+    path = tmp_path / "p.json"
+    args = ["plan", "gpt_test", "--preset", "cpu", "--gpus", "2", "--calibrate", "--profile", str(path)]
+    assert main(args + ["--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)[0]
+    assert doc["time_model"] == "calibrated" and doc["calibration"].startswith("measured everything")
+    assert "calibration: measured everything" in out.err and path.is_file()
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert f"calibration: reused {path}" in out.err
+    assert "Time: calibrated on this machine" in " ".join(out.out.split())  # however rich wrapped it
+    assert main(["plan", "gpt_test", "--preset", "cpu", "--profile", str(path)]) == 2
+    assert "--profile is the calibrated model's machine profile: add --calibrate" in capsys.readouterr().err
+    assert main(["plan", "gpt_test", "--preset", "cpu", "--preset", "cpu_2x2", "--calibrate"]) == 2
+    assert "plan one topology" in capsys.readouterr().err
