@@ -224,6 +224,9 @@ def fit_zero(stage: int, accumulation: str, acc: int, steps: int = STEPS, optimi
         "bucket_padded": [b.layout.padded_numel for b in engine.buckets if b.trainable],
         "axes": trainer.strategy._groups.axes,
         "chosen": getattr(trainer.strategy, "recommendation", None) and trainer.strategy.recommendation.strategy_name,
+        # strategy=auto's predicted vs measured step check (strategies/auto.py StepTimeCheck), where it ran
+        "step_check": next(((c.predicted_s, c.measured_s, c.model) for c in trainer.callbacks
+                            if type(c).__name__ == "StepTimeCheck"), None),
         "memory": engine.memory_report(),
         "buckets": [(b.layout.numel, b.layout.padded_numel, b.opt_index) for b in engine.buckets],
         "exp_avg_numel": sum(st["exp_avg"].numel() for st in opt.state.values() if "exp_avg" in st),

@@ -243,6 +243,24 @@ class AutoOptions(FSDPOptions):
     global_batch_size: Optional[int] = knob(None, """The global batch the planner's compute estimate assumes; ``None``:
         derived from ``accumulate_grad_batches`` and the micro-batch.""")
     micro_batch_size: Optional[int] = knob(None, "The micro-batch the planner assumes; ``None``: 1.")
+    calibrate: bool = knob(False, """Measure this machine at setup (every rank, on the job's own process groups:
+        FLOP/s of the model's blocks, the optimizer step, each collective by size) and pick by the calibrated time
+        model; the measurements are kept as a machine profile and reused (``profile``). ``False``: the nominal model
+        (datasheet figures).""")
+    profile: Optional[str] = knob(None, """Machine profile JSON (with ``calibrate``): read if it describes this
+        machine and library versions, written after measuring; ``None``: the cache
+        (``~/.cache/lightning_shard/profiles``, or ``$LIGHTNING_SHARD_CACHE``).""")
+    check_after_steps: int = knob(10, """After this many optimizer steps, log the predicted step time beside the
+        measured one (the median interval between optimizer steps, the first excluded); 0: never.""")
+
+    def validate(self, owner: Optional[str] = None) -> "AutoOptions":
+        check_bool(self, "calibrate")
+        if isinstance(self.check_after_steps, bool) or not isinstance(self.check_after_steps, int) or \
+                self.check_after_steps < 0:
+            raise ValueError(f"check_after_steps must be an integer >= 0 (0: never), got {self.check_after_steps!r}")
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise ValueError(f"profile must be a path (a string) or None (the cache), got {self.profile!r}")
+        return super().validate(owner)
 
 
 OPTIONS: tuple[type[ZeroOptions], ...] = (ZeroOptions, Zero3Options, FSDPOptions, AutoOptions)
