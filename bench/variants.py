@@ -80,7 +80,7 @@ if importlib.util.find_spec("deepspeed") is not None:
 # peer in one run is that run's noise floor, how far the ratio of two identical programs spreads on this machine
 AA_CONTROLS = {"ddp_aa": "ddp", "fsdp2_aa": "fsdp2"}
 OPT_IN = {"peak": _KNOBBED + tuple(v for v in DEEPSPEED if v not in SUITES["peak"]),
-          "speed": ("single", "zero0") + tuple(AA_CONTROLS) + _KNOBBED
+          "speed": ("single", "zero0", "zero_auto") + tuple(AA_CONTROLS) + _KNOBBED
           + tuple(v for v in DEEPSPEED if v not in SUITES["speed"])}
 
 
@@ -107,6 +107,8 @@ MODELS = ("gpt", "hf_gpt2")
 NOTES = {
     "single": "plain Lightning on one device (Trainer(devices=1), no distributed strategy)",
     "zero0": "lightning_shard stage 0: bucketed all-reduce, replicated AdamW",
+    "zero_auto": "lightning_shard strategy=auto with calibrate=True: the planner's pick by the calibrated time model "
+                 "(profile from $LIGHTNING_SHARD_CACHE)",
     "zero1": "lightning_shard: reduce-scatter grads, sharded AdamW, all-gather params",
     "zero2": "as zero1, full grads freed after reduce-scatter",
     "ddp": "Lightning DDPStrategy (baseline)",
@@ -329,6 +331,12 @@ def _make_strategy(args: argparse.Namespace, variant: str) -> Any:
 
     if variant == "single":
         return "auto"
+    if variant == "zero_auto":  # the planner's pick on this machine, the calibrated model (bench_planner.py)
+        from lightning_shard.strategies import AutoStrategy
+
+        return AutoStrategy(topology="cpu", global_batch_size=args.batch_size * args.devices,
+                            micro_batch_size=args.batch_size, calibrate=True, wrap_classes=[block_class(args)],
+                            check_after_steps=args.warmup + args.steps - 1)
     variant = program_of(variant)
     if variant in ("ddp", "zero_r"):
         return DDPStrategy(process_group_backend="gloo")
