@@ -173,6 +173,18 @@ def markdown(doc: dict[str, Any]) -> str:
                    f"{order('nominal')} | {cal} | {a.get('label') or a.get('registered')} | "
                    f"{a['measured_s'] or float('nan'):.4f} | {a['measured_fastest']} | "
                    f"{'yes' if a['pick_within_noise_of_fastest'] else 'no'} |")
+    out += ["", "## By world size", "",
+            "| world | rows | calibrated within 15% | within 10% | median abs error | nominal within 15% | "
+            "median abs error |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for world in sorted({c["world"] for c in doc["cases"]}):
+        rows = [(c, v) for c in doc["cases"] if c["world"] == world for v in VARIANTS if c["measured"].get(v)]
+
+        def errs(model: str, rows: list = rows) -> list[float]:
+            return sorted(abs(c[model][v] / c["measured"][v] - 1) for c, v in rows)
+
+        cal, nom = errs("calibrated"), errs("nominal")
+        out.append(f"| {world} | {len(rows)} | {sum(e <= 0.15 for e in cal)} | {sum(e <= 0.10 for e in cal)} | "
+                   f"{cal[len(cal) // 2]:.1%} | {sum(e <= 0.15 for e in nom)} | {nom[len(nom) // 2]:.1%} |")
     tot = doc["totals"]
     out += ["", f"Within 15%: calibrated {tot['calibrated_within_15']}/{tot['rows']}, nominal "
             f"{tot['nominal_within_15']}/{tot['rows']}; within 10%: calibrated {tot['calibrated_within_10']}, nominal "
@@ -195,7 +207,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="2 timed steps after 1 warmup")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--render", metavar="RESULT.json", help="write the Markdown of an earlier result again (beside it)")
     opts = p.parse_args()
+    if opts.render:
+        doc = json.loads(Path(opts.render).read_text())
+        Path(opts.render).with_suffix(".md").write_text(markdown(doc))
+        return
     if opts.quick:
         opts.steps, opts.warmup = 2, 1
     t0 = time.perf_counter()
