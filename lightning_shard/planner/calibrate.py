@@ -382,24 +382,26 @@ def measure_engine_overhead(device: torch.device, bare: Callable[[float], float]
 
 
 def engine_overhead_once(device: torch.device, bare: Callable[[float], float]) -> tuple[float, float, float]:
-    """The engine's own cost beyond compute and the backend's collectives, from a probe model of tiny Linear layers
-    at two depths (the slope cancels what does not grow with them):
+    """The engine's own cost beyond compute, from a probe model of small Linear layers at two depths (the slope
+    cancels what does not grow with them) and two widths, all ranks at once:
 
     * per parameter tensor per step: zero0 (one bucket: its hooks, copies and the flat optimizer step) against the
       same layers' forward and backward alone;
-    * per bucket operation (a unit's gather or a bucket's reduction, over the backend's own fixed cost
-      ``small_call_s`` per collective it issued): zero3 with one unit per layer (each gathered in forward and in
-      backward and reduced once) against zero0. At world 1 the engine runs the same hooks and bookkeeping without
-      a collective: what is left is that cost."""
+    * per bucket operation (a unit's gather or a bucket's reduction): zero3 with one unit per layer (each gathered
+      in forward and in backward and reduced once) against zero0, *with* the fixed cost of the collective each
+      operation issues, as the engine meets it (launched, waited, while the ranks take turns on the machine): the
+      time model prices a bucket operation's collective by its bytes only (``time.Calibrated``). At world 1 no
+      collective runs: what is left is the hooks and bookkeeping;
+    * per byte of a bucket operation: the same depth at a larger width, beyond the collectives' own growth with
+      bytes (``bare``: the measured curve of the engine's gather)."""
     (k1, k2), tensors = ENGINE_PROBE, 2  # weight and bias per layer
     plain = [_probe_step_s(None, k, device)[0] for k in (k1, k2)]
     z0 = [_probe_step_s("zero0", k, device) for k in (k1, k2)]
     per_tensor = ((z0[1][0] - plain[1]) - (z0[0][0] - plain[0])) / (tensors * (k2 - k1))
     z3 = [_probe_step_s("zero3", k, device) for k in (k1, k2)]
     ops = (z3[1][2] - z3[0][2]) - (z0[1][2] - z0[0][2])
-    calls = (z3[1][1] - z3[0][1]) - (z0[1][1] - z0[0][1])  # 0 at world 1
     small, wide = 4 * (16 * 16 + 16), 4 * (WIDE * WIDE + WIDE)  # bytes of one unit's bucket
-    extra = (z3[1][0] - z3[0][0]) - (z0[1][0] - z0[0][0]) - calls * bare(small)
+    extra = (z3[1][0] - z3[0][0]) - (z0[1][0] - z0[0][0])
     per_op = max(0.0, extra / max(ops, 1))
     # the same depth with wider layers: what grows with a bucket's bytes (copies in and out of flat buffers)
     z3w, z0w = _probe_step_s("zero3", k2, device, width=WIDE), _probe_step_s("zero0", k2, device, width=WIDE)

@@ -15,9 +15,10 @@ e.g. the F09 capture in tests/assets/topology measured 25.9 GB/s on a 31.5 GB/s 
 
 Two sets of rates price these (``rates``): :class:`Nominal`, the datasheet figures above (planning a machine you do
 not have), and :class:`Calibrated`, a machine profile measured on this machine (``profile.py``, ``calibrate.py``):
-compute as measured for the model, each collective from its measured curve at its bytes (the per-call fixed cost
-included), the optimizer step per element, the engine's own work per bucket operation, byte and parameter tensor,
-and of the communication the schedule below would hide, only the measured share (``overlap``).
+compute as measured for the model, each collective from its measured curve at its bytes, the optimizer step per
+element, the engine's own work per bucket operation (with its collective's fixed cost, as the engine meets it), per
+byte and per parameter tensor, and of the communication the schedule below would hide, only the measured share
+(``overlap``).
 
 Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
@@ -47,6 +48,7 @@ from .traffic import Collective
 if TYPE_CHECKING:
     from .profile import MachineProfile
 
+BUCKET_OPS = ("unshard", "grad", "param")  # a unit's gather, a bucket's reduction, the post-step gather
 DEFAULT_EFFICIENCY = 0.4
 DEFAULT_BUS_EFFICIENCY = 0.8
 # memory traffic per element (``quant_seconds``), counted from engine/comm/quant.py's eager torch passes, not measured:
@@ -168,10 +170,16 @@ class Calibrated:
         return self.fallback.micro_batch(psi, shape, job)
 
     def collective(self, c: Collective, ring: Ring, cfg: StrategyConfig) -> float:
+        """The curve at the collective's bytes; a bucket operation's without the per-call fixed cost, which the engine's
+        measured cost per bucket operation (:meth:`engine`) holds as the engine meets it."""
         if c.world <= 1:
             return 0.0
         curve = self.profile.collective(profile_op(c, cfg), c.world, ring.link_class)
-        return curve(c.bytes) if curve is not None else self.fallback.collective(c, ring, cfg)
+        if curve is None:
+            return self.fallback.collective(c, ring, cfg)
+        if c.kind in BUCKET_OPS and self.profile.engine_s_per_call is not None:
+            return max(0.0, curve(c.bytes) - curve.latency_s)
+        return curve(c.bytes)
 
     def optimizer(self, elements: float) -> float:
         return elements * self.profile.optimizer_s_per_element
@@ -204,7 +212,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
 
     # the engine's own work per bucket operation (a unit's gather, a bucket's reduction or post-step gather): it runs
     # at every world size, a group of one rank included
-    t_engine = rates.engine([c for c in colls if c.kind in ("unshard", "grad", "param")], tensors)
+    t_engine = rates.engine([c for c in colls if c.kind in BUCKET_OPS], tensors)
 
     def sec(c: Collective) -> float:
         return rates.collective(c, rings[c.group], cfg)

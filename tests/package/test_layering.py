@@ -7,8 +7,8 @@
     checkpoint/   torch (``torch.distributed.checkpoint`` included), options, engine; Lightning only in io.py
                   (cli.py: the console script when run as a module, and the recipes' Hugging Face export)
     topology/     no torch, no Lightning, no other layer but shipped.py (where the presets are)
-    planner/      torch, options, engine, topology, shipped.py, the recipes (never strategies, checkpoint, app,
-                  Lightning)
+    planner/      torch, options, engine, topology, shipped.py, version.py, the recipes (never strategies,
+                  checkpoint, app, Lightning)
     strategies/   Lightning and everything above, never the app
     app/, train.py   Hydra (the only ones) and everything
     recipes/      Lightning and torch, never the engine
@@ -103,7 +103,8 @@ def topology_violations(f: Path, source: Optional[str] = None) -> list[str]:
 
 
 def planner_violations(f: Path, source: Optional[str] = None) -> list[str]:
-    return allowed_violations(f, source, "planner", ("torch",), ("options", "engine", "topology", "shipped", "recipes"))
+    return allowed_violations(f, source, "planner", ("torch",),
+                              ("options", "engine", "topology", "shipped", "version", "recipes"))
 
 
 def strategies_violations(f: Path, source: Optional[str] = None) -> list[str]:

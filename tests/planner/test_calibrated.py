@@ -32,12 +32,14 @@ def link_class(world: int = WORLD) -> str:
     return placement.ring(range(world)).link_class
 
 
-def synthetic(latency: float, overlap: float, compute=(0.01, 0.02), world: int = WORLD) -> MachineProfile:
-    """Every collective costs ``latency`` per call plus 1 GB/s; compute as given for the tiny model."""
+def synthetic(latency: float, overlap: float, compute=(0.01, 0.02), world: int = WORLD,
+              per_op=None) -> MachineProfile:
+    """Every collective costs ``latency`` per call plus 1 GB/s; compute as given for the tiny model; the engine's
+    own cost per bucket operation ``per_op`` (None: not measured)."""
     curves = {f"{op}/{world}/{link_class(world)}": Curve([4096, 2**30], [latency, latency + 2**30 / 1e9])
               for op in OPS}
     prof = MachineProfile({"device": "test"}, library_versions(), curves, matmul_flops=1e10,
-                          optimizer_s_per_element=1e-9, overlap=overlap)
+                          optimizer_s_per_element=1e-9, overlap=overlap, engine_s_per_call=per_op)
     from lightning_shard.planner.config import Job
     from lightning_shard.planner.stats import transformer_shape
 
@@ -77,6 +79,23 @@ def test_calibrated_step_is_compute_plus_every_call_when_nothing_overlaps():
         opt = psi / (1 if row.config.stage == 0 else WORLD) * 1e-9
         assert row.time.compute == pytest.approx(0.03 + opt), row.label
         assert row.time.total == pytest.approx(0.03 + opt + comm), row.label
+
+
+def test_a_bucket_operation_pays_the_engine_measured_fixed_cost_instead_of_the_bare_call():
+    """With the engine's cost per bucket operation measured (it holds the collective's fixed cost as the engine meets
+    it), a bucket operation's collective is priced by its bytes only and the operation by that cost; the step's
+    small collectives (used-mask all-reduce, buffer broadcasts) keep their whole curve."""
+    prof = synthetic(latency=2e-3, overlap=0.0, per_op=3e-3)
+    res = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof)
+    ctx = res.context
+    for row in res.rows:
+        colls = collectives_of(ctx, row.config)[1]
+        bucket = [c for c in colls if c.kind in ("unshard", "grad", "param")]
+        other = [c for c in colls if c not in bucket and c.world > 1]
+        curve = prof.collective("gather", WORLD, link_class())  # every op's curve is the same here
+        comm = sum(curve(c.bytes) - 2e-3 for c in bucket if c.world > 1) + sum(curve(c.bytes) for c in other)
+        assert row.time.engine == pytest.approx(3e-3 * len(bucket)), row.label
+        assert row.time.total == pytest.approx(row.time.compute + comm + 3e-3 * len(bucket)), row.label
 
 
 def test_fixed_cost_per_call_ranks_many_small_units_below_few_large_ones():

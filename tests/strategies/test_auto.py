@@ -33,6 +33,7 @@ def test_auto_with_calibration_measures_in_the_job_and_checks_its_prediction(tmp
     prof, why = load_profile(path)
     assert why == "" and prof.machine["world"] == 2 and prof.collectives
     assert res[0]["chosen"] == res[1]["chosen"]
+    assert res[0]["step_check"] is not None, "no predicted-vs-measured step check ran"
     predicted, measured, model = res[0]["step_check"]
     assert model == "calibrated" and predicted > 0 and measured > 0
     ref, _ = reference_fit(4, 1, 2, model="tiny_lm")
