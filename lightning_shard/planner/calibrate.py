@@ -354,24 +354,17 @@ def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps:
             model.zero_grad(set_to_none=True)
 
     try:
-        for _ in range(2):
-            step()
+        step()
         mark = C.LEDGER.mark()
-        times = []
-        for _ in range(steps):
-            _sync(device)
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t)
-        calls = sum(e.tag != TAG and e.op != "barrier" for e in C.LEDGER.since(mark)) / steps
+        seconds = _timed(step, device, steps)  # one more untimed step, then the median of ``steps``
+        calls = sum(e.tag != TAG and e.op != "barrier" for e in C.LEDGER.since(mark)) / (steps + 1)
         # the bucket operations the engine ran, with or without a collective (a group of one rank issues none):
         # zero3 gathers each unit's bucket in forward and again in backward and reduces it; zero0 reduces its bucket
         ops = 3 * len(engine.buckets) if name == "zero3" else (len(engine.buckets) if engine is not None else 0)
     finally:
         if engine is not None:
             engine.remove_hooks()
-    return sorted(times)[steps // 2], calls, ops
+    return seconds, calls, ops
 
 
 def measure_engine_overhead(device: torch.device, bare: Callable[[float], float],
