@@ -15,7 +15,8 @@ world 1, 2 and 4 (4 ranks on this machine's 2 cores):
 * the predicted seconds per optimizer step of zero0, zero1, zero2, zero3 and fsdp_shard (Lightning DDP planned as
   zero0) by the calibrated model and by the nominal one (datasheet rates; on CPU a nominal 0.1 TFLOP/s);
 * the measured step: the driver's (``driver.run_suite``) median over the timed steps of rank 0's step time (batch
-  start to batch end), each variant in fresh processes, default knobs (bench/variants.py);
+  start to batch end), each variant in fresh processes, default knobs (bench/variants.py); with ``--repeats N``, N
+  runs of each variant interleaved and the median of their medians;
 * ``zero_auto``: ``strategy=auto`` with ``calibrate=True`` on the same profile cache: which row it picked, what it
   predicted and measured, and whether its pick was the measured fastest (within the A/A noise of the machine).
 
@@ -96,7 +97,7 @@ def run_case(world: int, size: str, layout: int, opts: argparse.Namespace, tmp: 
     args = parse_args(["--suite", "speed", "--model", "gpt", "--n-layer", str(layers), "--n-embd", str(width),
                        "--n-head", str(heads), "--vocab", str(VOCAB), "--block-size", str(SEQ),
                        "--batch-size", str(MICRO), "--devices", str(world), "--steps", str(opts.steps),
-                       "--warmup", str(opts.warmup), "--repeats", "1", "--profile-steps", "0",
+                       "--warmup", str(opts.warmup), "--repeats", str(opts.repeats), "--profile-steps", "0",
                        "--variants", *variants])
     env = dict(variant_env("speed"), LIGHTNING_SHARD_CACHE=str(cache))
     tag = f"w{world}.{size}{layout}."
@@ -142,7 +143,8 @@ def markdown(doc: dict[str, Any]) -> str:
            f"{mi['cores']} cores ({mi['cpu']}), CPU ranks x 1 thread, gloo; torch {mi['torch']}, lightning "
            f"{mi['lightning']}. The recipe GPT (vocab {VOCAB}, {SEQ} tokens, micro-batch {MICRO} per rank, accumulation"
            f" 1), fp32 AdamW; measured: rank 0's median step over {doc['steps']} timed steps after {doc['warmup']} "
-           "warmup, each variant in fresh processes, default knobs. Error = predicted / measured - 1. Order: pairs of "
+           f"warmup, each variant in fresh processes ({doc.get('repeats', 1)} runs, interleaved: the median of their "
+           "medians), default knobs. Error = predicted / measured - 1. Order: pairs of "
            f"strategies whose measured times differ by more than the A/A noise ({NOISE:.0%}), and how many of them "
            "each model puts in the measured order.",
            f"Command: `{doc['command']}` (wall {doc['wall_s']:.0f} s).", ""]
@@ -205,6 +207,8 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", default=["wide", "deep"], choices=["wide", "deep"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each variant, interleaved (ABC CBA ...); the measured step is their median")
     p.add_argument("--quick", action="store_true", help="2 timed steps after 1 warmup")
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--render", metavar="RESULT.json", help="write the Markdown of an earlier result again (beside it)")
@@ -238,6 +242,7 @@ def main() -> None:
 
     margs = parse_args(["--suite", "speed", "--model", "gpt", "--devices", str(max(opts.worlds))])
     doc = {"suite": "planner", "machine": machine_info(margs), "steps": opts.steps, "warmup": opts.warmup,
+           "repeats": opts.repeats,
            "command": " ".join([Path(sys.executable).name] + [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
            "wall_s": time.perf_counter() - t0, "cases": cases,
            "reuse": {"calibration": again["calibration"], "wall_s": time.perf_counter() - t},

@@ -321,6 +321,7 @@ def measure_overlap(group: C.Group, device: torch.device, nbytes: int = 4 * 2**2
 # ============================================================================================ the engine's own cost
 ENGINE_PROBE = (8, 40)  # layers of the probe model (a stack of tiny Linear layers): the slope between the two
 WIDE = 256  # the probe's width for what grows with a bucket's bytes
+UNIT_PROBE = (1, 4)  # copies of the model's own block in the stage-3 unit probe (the slope between the two)
 
 
 def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps: int = 7,
@@ -403,6 +404,73 @@ def engine_overhead_once(device: torch.device, bare: Callable[[float], float]) -
     return per_op, max(0.0, per_tensor), per_byte
 
 
+def _stack_step_s(name: Optional[str], block: nn.Module, depth: int, shape: TransformerShape, job: Job,
+                  device: torch.device, comm: Callable[[str, float], float]) -> tuple[float, float, int]:
+    """(median seconds of one step, seconds of its bucket operations' collectives by their bytes, bucket operations
+    per step) of ``depth`` copies of the model's own block at the job's micro-batch, under the engine at ``name``'s
+    stage with its default units (zero3) or its one bucket (zero0). ``comm(op, nbytes)``: a collective's seconds
+    by its bytes, its fixed cost left out (0 on one rank)."""
+    from ..engine.engine import ShardEngine
+    from ..options import options_for
+
+    torch.manual_seed(0)
+    dtype = PRECISIONS[job.precision][0]
+    model = nn.Sequential(*[_materialize(block, device, dtype) for _ in range(depth)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opts = {"zero0": {"accumulation": "defer"}, "zero3": {"accumulation": "per_micro_batch"}}
+    engine = ShardEngine(model, [opt], options_for(name, **opts[name]))
+    hooks = []
+    if engine.controller is not None:  # the root unit (what no block unit claims) is gathered around the step
+        ctl = engine.controller
+        hooks = [model.register_forward_pre_hook(lambda m, a: ctl.step_pre_forward()),
+                 model.register_forward_hook(lambda m, a, out: ctl.step_post_forward(out))]
+    x = torch.randn(job.micro_batch, shape.seq, shape.hidden, device=device, dtype=dtype)
+
+    def step() -> None:
+        engine.pre_backward()
+        out = model(x)
+        (out[0] if isinstance(out, (tuple, list)) else out).float().square().mean().backward()
+        engine.post_backward()
+        engine.prepare_step(opt)
+        opt.step()
+        engine.finish_step(opt)
+
+    try:
+        seconds = _timed(step, device, 5)
+        sizes = [b.store.full_bytes for b in engine.buckets]
+        if name == "zero3":  # each unit gathered in forward and in backward, and reduced once
+            ops, wire = 3 * len(sizes), sum(2 * comm("gather", n) + comm("reduce", n) for n in sizes)
+        else:
+            ops, wire = len(sizes), sum(comm("all_reduce", n) for n in sizes)
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.remove_hooks()
+    return seconds, wire, ops
+
+
+def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: Job, device: torch.device,
+                     comm: Callable[[str, float], float]) -> Optional[float]:
+    """The engine's seconds per stage-3 bucket operation (a unit's gather or reduction) on this model's own blocks at
+    its micro-batch: zero3 against zero0 on stacks of :data:`UNIT_PROBE` copies of its block (the slope cancels the
+    root unit and the step), less the collectives' growth with bytes (``time.Calibrated`` prices that by the curves).
+    It holds what a unit costs beyond its bytes: hooks, copies into and out of flat buffers, and the compute the
+    gathered-and-freed parameters slow down, which a probe of tiny layers does not show. None: the model is not a
+    stack of blocks that take the hidden states alone (the probe's per-operation cost is used instead)."""
+    blocks = _blocks(module)
+    if shape is None or blocks is None:
+        return None
+    try:
+        runs = {(name, k): _stack_step_s(name, blocks[0], k, shape, job, device, comm)
+                for name in ("zero0", "zero3") for k in UNIT_PROBE}
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    (k1, k2) = UNIT_PROBE
+    slope = {name: [b - a for a, b in zip(runs[name, k1], runs[name, k2])] for name in ("zero0", "zero3")}
+    extra = (slope["zero3"][0] - slope["zero3"][1]) - (slope["zero0"][0] - slope["zero0"][1])
+    return max(0.0, extra / max(slope["zero3"][2], 1))
+
+
 # ============================================================================================ the whole
 def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, list[list[int]]]:
     """``{"<ranks>/<link class>": rank lists}`` of the groups the candidates use: the world and, per hybrid shard
@@ -458,10 +526,19 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
         gather = next((c for k, c in {**profile.collectives, **curves}.items() if k.startswith(f"gather/{world}/")),
                       None)
         measured["engine"] = list(measure_engine_overhead(device, gather or (lambda nbytes: 0.0)))
+    if sig not in profile.unit_ops:
+        have = {**profile.collectives, **curves}
+
+        def comm(op: str, nbytes: float) -> float:  # a bucket operation's collective by its bytes (time.Calibrated)
+            c = next((c for k, c in have.items() if k.startswith(f"{op}/{world}/")), None) if world > 1 else None
+            return max(0.0, c(nbytes) - c.latency_s) if c is not None else 0.0
+
+        unit = measure_unit_ops(module, shape, job, device, comm)
+        measured["unit_ops"] = -1.0 if unit is None else unit
     # the slowest rank's figure (a step waits for it); FLOP/s: the slowest rank's too (the smallest)
     values = [*(curve_t for c in curves.values() for curve_t in c.seconds), *measured.get("compute", []),
               measured.get("optimizer", 0.0), -measured.get("matmul_flops", 0.0), -measured.get("overlap", 1.0),
-              *measured.get("engine", [])]
+              *measured.get("engine", []), measured.get("unit_ops", 0.0)]
     if world > 1 and values:
         v = torch.tensor(values, dtype=torch.float64)
         C.all_reduce(v, op="max", group=None, tag=TAG)
@@ -480,6 +557,9 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
         profile.overlap = ov
     if "engine" in measured:
         profile.engine_s_per_call, profile.engine_s_per_tensor, profile.engine_s_per_byte = next(it), next(it), next(it)
+    unit = next(it)
+    if "unit_ops" in measured:
+        profile.unit_ops[sig] = None if unit < 0 else unit
     profile.calibration_s += time.perf_counter() - t0
     return profile
 
@@ -491,8 +571,11 @@ def needs(profile: Optional[MachineProfile], module: nn.Module, job: Job, placem
         return ["everything"]
     out = []
     shape = transformer_shape(module, job.seq if job.seq > 1 else None)
-    if model_signature(module, shape, job) not in profile.compute:
+    sig = model_signature(module, shape, job)
+    if sig not in profile.compute:
         out.append("this model's compute")
+    if sig not in profile.unit_ops:
+        out.append("the engine's cost on this model's units")
     if profile.engine_s_per_call is None:
         out.append("the engine's own cost")
     top = ladder(max_bytes)[-1]

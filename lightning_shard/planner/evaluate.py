@@ -79,8 +79,9 @@ def make_context(module: nn.Module, groups: Optional[OptimizerGroups], placement
     if profile is not None:
         from .calibrate import model_signature
 
-        measured = profile.compute.get(model_signature(module, shape, job))
-        rates = Calibrated(profile, tuple(measured) if measured else None, rates)
+        sig = model_signature(module, shape, job)
+        measured = profile.compute.get(sig)
+        rates = Calibrated(profile, tuple(measured) if measured else None, rates, profile.unit_ops.get(sig))
     return Context(module, groups if groups is not None else default_groups(module), placement, job, device, shape,
                    activations, float(sum(p.numel() for p in module.parameters())),
                    buffer_groups(module, job.param_dtype if job.param_dtype.is_floating_point else None),

@@ -20,6 +20,9 @@ figures:
   bookkeeping) per bucket operation (a unit's gather, a bucket's reduction or post-step gather, with or without a
   collective), per byte of those operations, and per parameter tensor per step, measured on a probe model of small
   layers through the engine itself (``calibrate.measure_engine_overhead``).
+* ``unit_ops``: per model signature, the engine's seconds per stage-3 bucket operation on that model's own blocks
+  at its micro-batch, beyond the collective's bytes (``calibrate.measure_unit_ops``); the stage-3 rows of that model
+  use it instead of the probe's per-operation and per-byte figures (null: the model is not a stack of blocks).
 
 A profile is for one machine, backend, world size and threads per rank (the file name says which:
 :func:`profile_path`); it is **stale** when the library versions or the hardware description differ from the ones it
@@ -84,6 +87,8 @@ class MachineProfile:
     versions: dict[str, str]  # torch, lightning_shard, python: a difference makes the profile stale
     collectives: dict[str, Curve] = field(default_factory=dict)
     compute: dict[str, list[float]] = field(default_factory=dict)  # signature -> [forward s, backward s]
+    # signature -> the engine's seconds per stage-3 bucket operation on that model's blocks (None: not a block stack)
+    unit_ops: dict[str, Optional[float]] = field(default_factory=dict)
     matmul_flops: float = 0.0
     optimizer_s_per_element: float = 0.0
     overlap: Optional[float] = None  # None: not measured (a world of one rank has nothing to overlap)

@@ -133,7 +133,7 @@ class Nominal:
     def optimizer(self, elements: float) -> float:
         return 0.0
 
-    def engine(self, ops: list[Collective], tensors: int) -> float:
+    def engine(self, ops: list[Collective], tensors: int, stage: int = 0) -> float:
         return 0.0
 
     @property
@@ -159,6 +159,7 @@ class Calibrated:
     profile: "MachineProfile"
     compute: Optional[tuple[float, float]]  # this model's (forward, backward) seconds per micro-batch, if measured
     fallback: Nominal
+    unit_op_s: Optional[float] = None  # the engine's seconds per stage-3 bucket operation on this model, if measured
     name = "calibrated"
 
     def micro_batch(self, psi: float, shape: Optional[TransformerShape], job: Job) -> tuple[float, float]:
@@ -184,8 +185,12 @@ class Calibrated:
     def optimizer(self, elements: float) -> float:
         return elements * self.profile.optimizer_s_per_element
 
-    def engine(self, ops: list[Collective], tensors: int) -> float:
+    def engine(self, ops: list[Collective], tensors: int, stage: int = 0) -> float:
+        """The engine's own work: per bucket operation (stage 3: this model's measured cost per unit operation where
+        the profile has it, else the probe's per operation and per byte) and per parameter tensor."""
         p = self.profile
+        if stage == 3 and self.unit_op_s is not None:
+            return len(ops) * self.unit_op_s + tensors * p.engine_s_per_tensor
         return (len(ops) * (p.engine_s_per_call or 0.0) + sum(c.bytes for c in ops) * p.engine_s_per_byte
                 + tensors * p.engine_s_per_tensor)
 
@@ -212,7 +217,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
 
     # the engine's own work per bucket operation (a unit's gather, a bucket's reduction or post-step gather): it runs
     # at every world size, a group of one rank included
-    t_engine = rates.engine([c for c in colls if c.kind in BUCKET_OPS], tensors)
+    t_engine = rates.engine([c for c in colls if c.kind in BUCKET_OPS], tensors, layout.stage)
 
     def sec(c: Collective) -> float:
         return rates.collective(c, rings[c.group], cfg)

@@ -98,6 +98,28 @@ def test_a_bucket_operation_pays_the_engine_measured_fixed_cost_instead_of_the_b
         assert row.time.total == pytest.approx(row.time.compute + comm + 3e-3 * len(bucket)), row.label
 
 
+def test_stage3_rows_pay_the_cost_measured_on_the_model_own_units():
+    """With the engine's cost per stage-3 bucket operation measured on this model's blocks (``unit_ops``), zero3 and
+    fsdp_shard pay it per unit operation instead of the probe's per-operation cost; stages 0-2 keep the probe's."""
+    from lightning_shard.planner.config import Job
+    from lightning_shard.planner.stats import transformer_shape
+
+    prof = synthetic(latency=2e-3, overlap=0.0, per_op=3e-3)
+    base = by_label(plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof))
+    job = Job(world=WORLD, micro_batch=MICRO, accumulation=1, seq=64, precision="32-true")
+    prof.unit_ops[model_signature(tiny(), transformer_shape(tiny()), job)] = 7e-3
+    res = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof)
+    assert res.context.rates.unit_op_s == 7e-3
+    for row in res.rows:
+        ops = [c for c in collectives_of(res.context, row.config)[1] if c.kind in ("unshard", "grad", "param")]
+        before = base[row.label].time
+        if row.config.stage == 3:
+            assert row.time.engine == pytest.approx(7e-3 * len(ops)), row.label
+            assert row.time.total == pytest.approx(before.total + 4e-3 * len(ops)), row.label
+        else:
+            assert row.time.total == pytest.approx(before.total), row.label
+
+
 def test_fixed_cost_per_call_ranks_many_small_units_below_few_large_ones():
     """zero3 gathers and reduces one unit per module with parameters, fsdp_shard one per block: with a per-call cost
     the calibrated model puts zero3 behind by about the extra calls x that cost; the nominal model (no such cost
@@ -157,6 +179,8 @@ def test_calibration_measures_once_then_reuses_and_remeasures_a_stale_profile(tm
     assert all(c.sizes == sorted(c.sizes) and c.seconds == monotone(c.seconds) and min(c.seconds) > 0
                for c in prof.collectives.values())
     assert len(prof.compute) == 1 and all(t > 0 for t in next(iter(prof.compute.values())))
+    assert list(prof.unit_ops) == list(prof.compute) and next(iter(prof.unit_ops.values())) >= 0
+    assert first.context.rates.unit_op_s == next(iter(prof.unit_ops.values()))
     assert prof.matmul_flops > 0 and prof.optimizer_s_per_element > 0 and 0 <= prof.overlap <= 1
     assert first.context.calibrated and first.context.rates.compute is not None
     again = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
@@ -165,8 +189,9 @@ def test_calibration_measures_once_then_reuses_and_remeasures_a_stale_profile(tm
     # another model on the same machine: only its compute is measured
     other = plan(build_gpt(2, 64, 4, 64, 256), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True,
                  profile_path=str(path))
-    assert other.calibration.startswith("measured this model's compute"), other.calibration
-    assert len(load_profile(path)[0].compute) == 2
+    assert other.calibration.startswith("measured this model's compute, the engine's cost on this model's units in"), \
+        other.calibration
+    assert len(load_profile(path)[0].compute) == 2 and len(load_profile(path)[0].unit_ops) == 2
     doc = json.loads(path.read_text())
     doc["versions"]["lightning_shard"] = "0.0.0"
     path.write_text(json.dumps(doc))
