@@ -126,7 +126,10 @@ def render(res: Any, recipe: Optional[str] = None) -> None:
     from .advice import reproduce
 
     ctx = res.context
-    title = (f"{ctx.placement.topology.name}: {ctx.job.world} x {ctx.device.name}, {ctx.psi / 1e9:.2f}B params, "
+    # a calibrated plan's rates are this machine's: name its device as the profile does, not the preset's nominal one
+    device = (f"{ctx.rates.profile.machine.get('device') or ctx.device.name} (calibrated)" if ctx.calibrated
+              else ctx.device.name)
+    title = (f"{ctx.placement.topology.name}: {ctx.job.world} x {device}, {ctx.psi / 1e9:.2f}B params, "
              f"{ctx.job.precision}, micro-batch {ctx.job.micro_batch} x {ctx.job.seq} tokens, "
              f"accumulation {ctx.job.accumulation}")
     t = Table(title=escape(title))  # names come from presets and capture files: never rich markup

@@ -215,7 +215,9 @@ def test_cli_plan_calibrate_writes_reuses_and_says_which_model(tmp_path, capsys)
     assert main(args) == 0
     out = capsys.readouterr()
     assert f"calibration: reused {path}" in out.err
-    assert "Time: calibrated on this machine" in " ".join(out.out.split())  # however rich wrapped it
+    text = " ".join(out.out.split())  # however rich wrapped it
+    assert "Time: calibrated on this machine" in text
+    assert "(calibrated)," in text and "(nominal)" not in text  # the title names the profile's device
     assert main(["plan", "gpt_test", "--preset", "cpu", "--profile", str(path)]) == 2
     assert "--profile is the calibrated model's machine profile: add --calibrate" in capsys.readouterr().err
     assert main(["plan", "gpt_test", "--preset", "cpu", "--preset", "cpu_2x2", "--calibrate"]) == 2
