@@ -489,6 +489,30 @@ def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, li
     return kinds
 
 
+def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: int) -> dict[str, str]:
+    """What ``profile`` lacks for the model of signature ``sig`` on the groups ``kinds`` with collectives up to ``top``
+    bytes, in a world of ``world`` ranks: ``{item: what it is, in words}`` (:func:`calibrate` measures the items,
+    :func:`needs` says the words)."""
+    out = {}
+    if not profile.matmul_flops:
+        out["matmul_flops"] = "the matmul rate"
+    if not profile.optimizer_s_per_element:
+        out["optimizer"] = "the optimizer step"
+    if sig not in profile.compute:
+        out["compute"] = "this model's compute"
+    if profile.engine_s_per_call is None:
+        out["engine"] = "the engine's own cost"
+    if sig not in profile.unit_ops:
+        out["unit_ops"] = "the engine's cost on this model's units"
+    if profile.overlap is None and world > 1:
+        out["overlap"] = "the overlap"
+    for kind in kinds:
+        for op in OPS:
+            if (c := profile.collectives.get(f"{op}/{kind}")) is None or c.sizes[-1] < top:
+                out[f"{op}/{kind}"] = f"collectives on {kind}"
+    return out
+
+
 def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torch.device,
               profile: Optional[MachineProfile], max_bytes: float, shard_sizes: tuple[int, ...] = ()) -> MachineProfile:
     """Every rank: measure what ``profile`` (None: a new one) lacks for this model, job and groups; return it."""
@@ -501,32 +525,32 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
     sig = model_signature(module, shape, job)
     world = placement.world
     measured: dict[str, Any] = {}
+    sizes = ladder(max_bytes)
+    kinds = group_kinds(placement, list(shard_sizes))
+    todo = lacks(profile, sig, list(kinds), sizes[-1], world)
     if world > 1:
         C.barrier(tag=TAG)
-    if not profile.matmul_flops:
+    if "matmul_flops" in todo:
         measured["matmul_flops"] = measure_matmul_flops(shape, job, device)
-    if sig not in profile.compute:
+    if "compute" in todo:
         measured["compute"] = measure_compute(module, shape, job, device, measured.get("matmul_flops")
                                               or profile.matmul_flops)
-    if not profile.optimizer_s_per_element:
+    if "optimizer" in todo:
         measured["optimizer"] = measure_optimizer(device)
     curves: dict[str, Curve] = {}
-    sizes = ladder(max_bytes)
-    for kind, lists in group_kinds(placement, list(shard_sizes)).items():
+    for kind, lists in kinds.items():
         groups = [C.new_group(r, f"calibrate/{kind}") for r in lists]  # collective: every rank makes every group
         me = next(g for g, r in zip(groups, lists) if C.get_rank() in r)
         for op in OPS:
-            key = f"{op}/{kind}"
-            have = profile.collectives.get(key)
-            if have is None or have.sizes[-1] < sizes[-1]:
-                curves[key] = measure_curve(op, me, sizes, device)
-        if profile.overlap is None and "overlap" not in measured and kind.startswith(f"{world}/"):
+            if f"{op}/{kind}" in todo:
+                curves[f"{op}/{kind}"] = measure_curve(op, me, sizes, device)
+        if "overlap" in todo and "overlap" not in measured and kind.startswith(f"{world}/"):
             measured["overlap"] = measure_overlap(me, device)
-    if profile.engine_s_per_call is None:
+    if "engine" in todo:
         gather = next((c for k, c in {**profile.collectives, **curves}.items() if k.startswith(f"gather/{world}/")),
                       None)
         measured["engine"] = list(measure_engine_overhead(device, gather or (lambda nbytes: 0.0)))
-    if sig not in profile.unit_ops:
+    if "unit_ops" in todo:
         have = {**profile.collectives, **curves}
 
         def comm(op: str, nbytes: float) -> float:  # a bucket operation's collective by its bytes (time.Calibrated)
@@ -569,20 +593,10 @@ def needs(profile: Optional[MachineProfile], module: nn.Module, job: Job, placem
     """What ``profile`` lacks for this model, job and groups (empty: nothing to measure)."""
     if profile is None:
         return ["everything"]
-    out = []
     shape = transformer_shape(module, job.seq if job.seq > 1 else None)
-    sig = model_signature(module, shape, job)
-    if sig not in profile.compute:
-        out.append("this model's compute")
-    if sig not in profile.unit_ops:
-        out.append("the engine's cost on this model's units")
-    if profile.engine_s_per_call is None:
-        out.append("the engine's own cost")
-    top = ladder(max_bytes)[-1]
-    for kind in group_kinds(placement, list(shard_sizes)):
-        if any((c := profile.collectives.get(f"{op}/{kind}")) is None or c.sizes[-1] < top for op in OPS):
-            out.append(f"collectives on {kind}")
-    return out
+    todo = lacks(profile, model_signature(module, shape, job), list(group_kinds(placement, list(shard_sizes))),
+                 ladder(max_bytes)[-1], placement.world)
+    return list(dict.fromkeys(todo.values()))
 
 
 def _worker(rank: int, world: int, port: int, threads: int, backend: str, module: nn.Module, job: Job,
