@@ -324,48 +324,66 @@ WIDE = 256  # the probe's width for what grows with a bucket's bytes
 UNIT_PROBE = (1, 4)  # copies of the model's own block in the stage-3 unit probe (the slope between the two)
 
 
-def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps: int = 7,
-                  width: int = 16) -> tuple[float, float, int]:
-    """(median seconds of one step, collectives per step, bucket operations per step) of a stack of ``layers`` tiny
-    Linear layers under the
-    engine at ``name``'s stage (zero3: one unit per layer), or without an engine (``None``: forward and backward
-    alone)."""
+def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, device: torch.device, steps: int,
+                   warmup: int, tuning: Optional[dict] = None,
+                   around_step: bool = False) -> tuple[float, float, list[int]]:
+    """(median seconds of one training step, collectives per step outside calibration's own, full bytes of each
+    bucket) of ``model`` on input ``x`` under the engine at ``name``'s stage (zero0: ``defer``; zero3:
+    ``per_micro_batch``; ``around_step``: its root unit gathered around the step, as the strategy does), or without
+    an engine (``None``: forward and backward alone, the optimizer priced per element elsewhere); after ``warmup``
+    untimed steps. The loss is the mean square of the output."""
     from ..engine.engine import ShardEngine
     from ..options import options_for
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opts = {"zero0": {"accumulation": "defer"}, "zero3": {"accumulation": "per_micro_batch",
-                                                          "tuning": {"min_unit_mb": 0.0}}}
+    opts = {"zero0": {"accumulation": "defer"}, "zero3": {"accumulation": "per_micro_batch", "tuning": tuning or {}}}
     engine = ShardEngine(model, [opt], options_for(name, **opts[name])) if name else None
-    x = torch.randn(4, width, device=device)
+    hooks = []
+    if around_step and engine is not None and engine.controller is not None:
+        ctl = engine.controller
+        hooks = [model.register_forward_pre_hook(lambda m, a: ctl.step_pre_forward()),
+                 model.register_forward_hook(lambda m, a, out: ctl.step_post_forward(out))]
 
     def step() -> None:
         if engine is not None:
             engine.pre_backward()
-        model(x).square().mean().backward()
+        out = model(x)
+        (out[0] if isinstance(out, (tuple, list)) else out).float().square().mean().backward()
         if engine is not None:
             engine.post_backward()
             engine.prepare_step(opt)
             opt.step()
-        if engine is not None:
             engine.finish_step(opt)
-        else:  # the reference: forward and backward alone (the optimizer is priced per element elsewhere)
+        else:
             model.zero_grad(set_to_none=True)
 
     try:
-        step()
+        for _ in range(warmup - 1):
+            step()
         mark = C.LEDGER.mark()
         seconds = _timed(step, device, steps)  # one more untimed step, then the median of ``steps``
         calls = sum(e.tag != TAG and e.op != "barrier" for e in C.LEDGER.since(mark)) / (steps + 1)
-        # the bucket operations the engine ran, with or without a collective (a group of one rank issues none):
-        # zero3 gathers each unit's bucket in forward and again in backward and reduces it; zero0 reduces its bucket
-        ops = 3 * len(engine.buckets) if name == "zero3" else (len(engine.buckets) if engine is not None else 0)
+        sizes = [b.store.full_bytes for b in engine.buckets] if engine is not None else []
     finally:
+        for h in hooks:
+            h.remove()
         if engine is not None:
             engine.remove_hooks()
-    return seconds, calls, ops
+    return seconds, calls, sizes
+
+
+def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps: int = 7,
+                  width: int = 16) -> tuple[float, float, int]:
+    """(median seconds of one step, collectives per step, bucket operations per step) of a stack of ``layers`` tiny
+    Linear layers under the engine at ``name``'s stage (zero3: one unit per layer), or without an engine (``None``:
+    forward and backward alone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    seconds, calls, sizes = _engine_step_s(name, model, torch.randn(4, width, device=device), device, steps, 2,
+                                           {"min_unit_mb": 0.0})
+    # the bucket operations the engine ran, with or without a collective (a group of one rank issues none):
+    # zero3 gathers each unit's bucket in forward and again in backward and reduces it; zero0 reduces its bucket
+    return seconds, calls, (3 if name == "zero3" else 1) * len(sizes)
 
 
 def measure_engine_overhead(device: torch.device, bare: Callable[[float], float],
@@ -404,49 +422,20 @@ def engine_overhead_once(device: torch.device, bare: Callable[[float], float]) -
     return per_op, max(0.0, per_tensor), per_byte
 
 
-def _stack_step_s(name: Optional[str], block: nn.Module, depth: int, shape: TransformerShape, job: Job,
+def _stack_step_s(name: str, block: nn.Module, depth: int, shape: TransformerShape, job: Job,
                   device: torch.device, comm: Callable[[str, float], float]) -> tuple[float, float, int]:
     """(median seconds of one step, seconds of its bucket operations' collectives by their bytes, bucket operations
     per step) of ``depth`` copies of the model's own block at the job's micro-batch, under the engine at ``name``'s
     stage with its default units (zero3) or its one bucket (zero0). ``comm(op, nbytes)``: a collective's seconds
     by its bytes, its fixed cost left out (0 on one rank)."""
-    from ..engine.engine import ShardEngine
-    from ..options import options_for
-
     torch.manual_seed(0)
     dtype = PRECISIONS[job.precision][0]
     model = nn.Sequential(*[_materialize(block, device, dtype) for _ in range(depth)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opts = {"zero0": {"accumulation": "defer"}, "zero3": {"accumulation": "per_micro_batch"}}
-    engine = ShardEngine(model, [opt], options_for(name, **opts[name]))
-    hooks = []
-    if engine.controller is not None:  # the root unit (what no block unit claims) is gathered around the step
-        ctl = engine.controller
-        hooks = [model.register_forward_pre_hook(lambda m, a: ctl.step_pre_forward()),
-                 model.register_forward_hook(lambda m, a, out: ctl.step_post_forward(out))]
     x = torch.randn(job.micro_batch, shape.seq, shape.hidden, device=device, dtype=dtype)
-
-    def step() -> None:
-        engine.pre_backward()
-        out = model(x)
-        (out[0] if isinstance(out, (tuple, list)) else out).float().square().mean().backward()
-        engine.post_backward()
-        engine.prepare_step(opt)
-        opt.step()
-        engine.finish_step(opt)
-
-    try:
-        seconds = _timed(step, device, 5)
-        sizes = [b.store.full_bytes for b in engine.buckets]
-        if name == "zero3":  # each unit gathered in forward and in backward, and reduced once
-            ops, wire = 3 * len(sizes), sum(2 * comm("gather", n) + comm("reduce", n) for n in sizes)
-        else:
-            ops, wire = len(sizes), sum(comm("all_reduce", n) for n in sizes)
-    finally:
-        for h in hooks:
-            h.remove()
-        engine.remove_hooks()
-    return seconds, wire, ops
+    seconds, _, sizes = _engine_step_s(name, model, x, device, 5, 1, around_step=True)
+    if name == "zero3":  # each unit gathered in forward and in backward, and reduced once
+        return seconds, sum(2 * comm("gather", n) + comm("reduce", n) for n in sizes), 3 * len(sizes)
+    return seconds, sum(comm("all_reduce", n) for n in sizes), len(sizes)
 
 
 def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: Job, device: torch.device,
