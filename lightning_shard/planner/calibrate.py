@@ -325,19 +325,21 @@ UNIT_PROBE = (1, 4)  # copies of the model's own block in the stage-3 unit probe
 
 
 def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, device: torch.device, steps: int,
-                   warmup: int, tuning: Optional[dict] = None,
-                   around_step: bool = False) -> tuple[float, float, list[int]]:
+                   warmup: int, tuning: Optional[dict] = None, around_step: bool = False,
+                   group: C.Group = None) -> tuple[float, float, list[int]]:
     """(median seconds of one training step, collectives per step outside calibration's own, full bytes of each
     bucket) of ``model`` on input ``x`` under the engine at ``name``'s stage (zero0: ``defer``; zero3:
     ``per_micro_batch``; ``around_step``: its root unit gathered around the step, as the strategy does), or without
     an engine (``None``: forward and backward alone, the optimizer priced per element elsewhere); after ``warmup``
-    untimed steps. The loss is the mean square of the output."""
+    untimed steps. The loss is the mean square of the output. ``group``: the ranks the engine shards over (None:
+    every rank)."""
+    from ..engine.comm.groups import Groups
     from ..engine.engine import ShardEngine
     from ..options import options_for
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opts = {"zero0": {"accumulation": "defer"}, "zero3": {"accumulation": "per_micro_batch", "tuning": tuning or {}}}
-    engine = ShardEngine(model, [opt], options_for(name, **opts[name])) if name else None
+    engine = ShardEngine(model, [opt], options_for(name, **opts[name]), Groups(shard=group)) if name else None
     hooks = []
     if around_step and engine is not None and engine.controller is not None:
         ctl = engine.controller
@@ -372,53 +374,59 @@ def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, devic
     return seconds, calls, sizes
 
 
-def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps: int = 7,
-                  width: int = 16) -> tuple[float, float, int]:
+def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps: int = 7, width: int = 16,
+                  group: C.Group = None) -> tuple[float, float, int]:
     """(median seconds of one step, collectives per step, bucket operations per step) of a stack of ``layers`` tiny
-    Linear layers under the engine at ``name``'s stage (zero3: one unit per layer), or without an engine (``None``:
-    forward and backward alone)."""
+    Linear layers under the engine at ``name``'s stage (zero3: one unit per layer) sharded over ``group`` (None:
+    every rank), or without an engine (``None``: forward and backward alone)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     seconds, calls, sizes = _engine_step_s(name, model, torch.randn(4, width, device=device), device, steps, 2,
-                                           {"min_unit_mb": 0.0})
+                                           {"min_unit_mb": 0.0}, group=group)
     # the bucket operations the engine ran, with or without a collective (a group of one rank issues none):
     # zero3 gathers each unit's bucket in forward and again in backward and reduces it; zero0 reduces its bucket
     return seconds, calls, (3 if name == "zero3" else 1) * len(sizes)
 
 
-def measure_engine_overhead(device: torch.device, bare: Callable[[float], float],
-                            repeats: int = 3) -> tuple[float, float, float]:
+def measure_engine_overhead(device: torch.device, solo: C.Group, repeats: int = 3) -> tuple[float, float, float]:
     """The median over ``repeats`` of :func:`engine_overhead_once` (each figure on its own)."""
-    runs = [engine_overhead_once(device, bare) for _ in range(repeats)]
+    runs = [engine_overhead_once(device, solo) for _ in range(repeats)]
     return tuple(sorted(r[i] for r in runs)[repeats // 2] for i in range(3))  # type: ignore[return-value]
 
 
-def engine_overhead_once(device: torch.device, bare: Callable[[float], float]) -> tuple[float, float, float]:
+def engine_overhead_once(device: torch.device, solo: C.Group) -> tuple[float, float, float]:
     """The engine's own cost beyond compute, from a probe model of small Linear layers at two depths (the slope
     cancels what does not grow with them) and two widths, all ranks at once:
 
     * per parameter tensor per step: zero0 (one bucket: its hooks, copies and the flat optimizer step) against the
-      same layers' forward and backward alone;
+      same layers' forward and backward alone, each rank's engine sharding over ``solo`` (a group of that rank
+      alone: every rank works as in training, sharing the machine, and no collective runs);
     * per bucket operation (a unit's gather or a bucket's reduction): zero3 with one unit per layer (each gathered
       in forward and in backward and reduced once) against zero0, *with* the fixed cost of the collective each
       operation issues, as the engine meets it (launched, waited, while the ranks take turns on the machine): the
       time model prices a bucket operation's collective by its bytes only (``time.Calibrated``). At world 1 no
       collective runs: what is left is the hooks and bookkeeping;
-    * per byte of a bucket operation: the same depth at a larger width, beyond the collectives' own growth with
-      bytes (``bare``: the measured curve of the engine's gather)."""
+    * per byte of a bucket operation: zero3 against zero0 at the deeper depth and a larger width, on ``solo`` too:
+      the copies in and out of flat buffers. A collective's growth with its bytes is its curve's
+      (``time.Calibrated``); measured on the world group, this figure would be what is left of the step after
+      subtracting the curves, smaller than their noise."""
     (k1, k2), tensors = ENGINE_PROBE, 2  # weight and bias per layer
     plain = [_probe_step_s(None, k, device)[0] for k in (k1, k2)]
+    alone = {(name, k, w): _probe_step_s(name, k, device, width=w, group=solo)
+             for name, k, w in (("zero0", k1, 16), ("zero0", k2, 16), ("zero3", k2, 16), ("zero0", k2, WIDE),
+                                ("zero3", k2, WIDE))}
+    per_tensor = (((alone["zero0", k2, 16][0] - plain[1]) - (alone["zero0", k1, 16][0] - plain[0]))
+                  / (tensors * (k2 - k1)))
     z0 = [_probe_step_s("zero0", k, device) for k in (k1, k2)]
-    per_tensor = ((z0[1][0] - plain[1]) - (z0[0][0] - plain[0])) / (tensors * (k2 - k1))
     z3 = [_probe_step_s("zero3", k, device) for k in (k1, k2)]
     ops = (z3[1][2] - z3[0][2]) - (z0[1][2] - z0[0][2])
     small, wide = 4 * (16 * 16 + 16), 4 * (WIDE * WIDE + WIDE)  # bytes of one unit's bucket
     extra = (z3[1][0] - z3[0][0]) - (z0[1][0] - z0[0][0])
     per_op = max(0.0, extra / max(ops, 1))
-    # the same depth with wider layers: what grows with a bucket's bytes (copies in and out of flat buffers)
-    z3w, z0w = _probe_step_s("zero3", k2, device, width=WIDE), _probe_step_s("zero0", k2, device, width=WIDE)
-    grown = (z3w[0] - z0w[0]) - (z3[1][0] - z0[1][0]) - z3[1][1] * (bare(wide) - bare(small))
-    per_byte = max(0.0, grown / max(z3[1][2] * (wide - small), 1))
+    # the same depth with wider layers, one rank per group: what grows with a bucket's bytes
+    grown = ((alone["zero3", k2, WIDE][0] - alone["zero0", k2, WIDE][0])
+             - (alone["zero3", k2, 16][0] - alone["zero0", k2, 16][0]))
+    per_byte = max(0.0, grown / max(alone["zero3", k2, 16][2] * (wide - small), 1))
     return per_op, max(0.0, per_tensor), per_byte
 
 
@@ -439,25 +447,30 @@ def _stack_step_s(name: str, block: nn.Module, depth: int, shape: TransformerSha
 
 
 def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: Job, device: torch.device,
-                     comm: Callable[[str, float], float]) -> Optional[float]:
+                     comm: Callable[[str, float], float], repeats: int = 3) -> Optional[float]:
     """The engine's seconds per stage-3 bucket operation (a unit's gather or reduction) on this model's own blocks at
     its micro-batch: zero3 against zero0 on stacks of :data:`UNIT_PROBE` copies of its block (the slope cancels the
     root unit and the step), less the collectives' growth with bytes (``time.Calibrated`` prices that by the curves).
     It holds what a unit costs beyond its bytes: hooks, copies into and out of flat buffers, and the compute the
     gathered-and-freed parameters slow down, which a probe of tiny layers does not show. None: the model is not a
-    stack of blocks that take the hidden states alone (the probe's per-operation cost is used instead)."""
+    stack of blocks that take the hidden states alone (the probe's per-operation cost is used instead). The median of
+    ``repeats`` such figures, each from its own four runs (a single one moves by half its value when ranks share
+    cores)."""
     blocks = _blocks(module)
     if shape is None or blocks is None:
         return None
-    try:
-        runs = {(name, k): _stack_step_s(name, blocks[0], k, shape, job, device, comm)
-                for name in ("zero0", "zero3") for k in UNIT_PROBE}
-    except (TypeError, RuntimeError, ValueError):
-        return None
     (k1, k2) = UNIT_PROBE
-    slope = {name: [b - a for a, b in zip(runs[name, k1], runs[name, k2])] for name in ("zero0", "zero3")}
-    extra = (slope["zero3"][0] - slope["zero3"][1]) - (slope["zero0"][0] - slope["zero0"][1])
-    return max(0.0, extra / max(slope["zero3"][2], 1))
+    figures = []
+    for _ in range(repeats):
+        try:
+            runs = {(name, k): _stack_step_s(name, blocks[0], k, shape, job, device, comm)
+                    for name in ("zero0", "zero3") for k in UNIT_PROBE}
+        except (TypeError, RuntimeError, ValueError):
+            return None
+        slope = {name: [b - a for a, b in zip(runs[name, k1], runs[name, k2])] for name in ("zero0", "zero3")}
+        extra = (slope["zero3"][0] - slope["zero3"][1]) - (slope["zero0"][0] - slope["zero0"][1])
+        figures.append(max(0.0, extra / max(slope["zero3"][2], 1)))
+    return sorted(figures)[repeats // 2]
 
 
 # ============================================================================================ the whole
@@ -536,9 +549,8 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
         if "overlap" in todo and "overlap" not in measured and kind.startswith(f"{world}/"):
             measured["overlap"] = measure_overlap(me, device)
     if "engine" in todo:
-        gather = next((c for k, c in {**profile.collectives, **curves}.items() if k.startswith(f"gather/{world}/")),
-                      None)
-        measured["engine"] = list(measure_engine_overhead(device, gather or (lambda nbytes: 0.0)))
+        solo = [C.new_group([r], "calibrate/solo") for r in range(world)] if world > 1 else [None]
+        measured["engine"] = list(measure_engine_overhead(device, solo[C.get_rank() if world > 1 else 0]))
     if "unit_ops" in todo:
         have = {**profile.collectives, **curves}
 

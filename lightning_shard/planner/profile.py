@@ -19,7 +19,8 @@ figures:
 * ``engine_s_per_call`` / ``engine_s_per_byte`` / ``engine_s_per_tensor``: the engine's own work (hooks, copies,
   bookkeeping) per bucket operation (a unit's gather, a bucket's reduction or post-step gather, with or without a
   collective), per byte of those operations, and per parameter tensor per step, measured on a probe model of small
-  layers through the engine itself (``calibrate.measure_engine_overhead``).
+  layers through the engine itself (``calibrate.measure_engine_overhead``; per byte and per tensor with each rank's
+  engine on a group of that rank alone, so that no collective is left in the difference).
 * ``unit_ops``: per model signature, the engine's seconds per stage-3 bucket operation on that model's own blocks
   at its micro-batch, beyond the collective's bytes (``calibrate.measure_unit_ops``); the stage-3 rows of that model
   use it instead of the probe's per-operation and per-byte figures (null: the model is not a stack of blocks).
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the engine's per-byte and per-tensor costs measured without collectives
 CACHE_ENV = "LIGHTNING_SHARD_CACHE"  # where profiles are kept (default ~/.cache/lightning_shard)
 OPS = ("reduce", "gather", "all_reduce", "all_to_all", "broadcast")
 

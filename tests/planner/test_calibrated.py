@@ -222,3 +222,49 @@ def test_cli_plan_calibrate_writes_reuses_and_says_which_model(tmp_path, capsys)
     assert "--profile is the calibrated model's machine profile: add --calibrate" in capsys.readouterr().err
     assert main(["plan", "gpt_test", "--preset", "cpu", "--preset", "cpu_2x2", "--calibrate"]) == 2
     assert "plan one topology" in capsys.readouterr().err
+
+
+def probe_collectives() -> dict:
+    """Scenario (every rank): collectives per step of the engine probe on the world group and on a group of this rank
+    alone, and which probe runs the engine measurement makes on which group."""
+    import torch
+
+    from lightning_shard.engine.comm import collectives as C
+    from lightning_shard.planner import calibrate
+
+    cpu = torch.device("cpu")
+    solo = [C.new_group([r], "calibrate/solo") for r in range(C.get_world_size())][C.get_rank()]
+    runs, probe = [], calibrate._probe_step_s
+
+    def recorded(name, layers, device, steps=7, width=16, group=None):
+        out = probe(name, layers, device, steps, width, group)
+        runs.append((name, layers, width, "solo" if group is solo else "world", out[1]))
+        return out
+
+    calibrate._probe_step_s = recorded
+    try:
+        figures = calibrate.measure_engine_overhead(cpu, solo, repeats=1)
+    finally:
+        calibrate._probe_step_s = probe
+    return {"runs": runs, "figures": figures}
+
+
+def test_the_engine_costs_that_grow_with_bytes_and_tensors_are_measured_without_collectives(worlds):
+    """The engine's cost per byte and per parameter tensor is local work (copies, hooks, the flat optimizer step): it
+    is measured with each rank's engine on a group of that rank alone, every rank at once, so that no collective's
+    noise is left in a difference of steps (on the world group, a step of the wide probe differs from the narrow one
+    by the collectives' growth, which is subtracted by their curves and was many times the figure). The cost per
+    bucket operation keeps the world group: it holds the collective's fixed cost as the engine meets it."""
+    from lightning_shard.planner.calibrate import ENGINE_PROBE, WIDE
+
+    k1, k2 = ENGINE_PROBE
+    for rank in worlds(2).run(probe_collectives):
+        runs = {r[:4]: r[4] for r in rank["runs"]}
+        assert {r for r in runs if r[3] == "solo"} == {("zero0", k1, 16, "solo"), ("zero0", k2, 16, "solo"),
+                                                        ("zero3", k2, 16, "solo"), ("zero0", k2, WIDE, "solo"),
+                                                        ("zero3", k2, WIDE, "solo")}
+        assert all(calls == 0 for r, calls in runs.items() if r[3] == "solo")  # no collective per step
+        engine_world = {r: calls for r, calls in runs.items() if r[3] == "world" and r[0] is not None}
+        assert set(engine_world) == {(n, k, 16, "world") for n in ("zero0", "zero3") for k in ENGINE_PROBE}
+        assert all(calls >= 1 for calls in engine_world.values())
+        assert all(f >= 0 for f in rank["figures"])
