@@ -103,6 +103,11 @@ def _materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return m.to(dtype)
 
 
+def _median(values: list[float]) -> float:
+    """The middle value (of an even count, the upper of the two middle ones)."""
+    return sorted(values)[len(values) // 2]
+
+
 def _timed(fn: Callable[[], Any], device: torch.device, reps: int = 3) -> float:
     """Median seconds of ``fn`` after one untimed call."""
     fn()
@@ -113,7 +118,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, reps: int = 3) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return _median(times)
 
 
 def _fwd_bwd(forward: Callable[[], torch.Tensor], device: torch.device, autocast: Optional[torch.dtype],
@@ -138,7 +143,7 @@ def _fwd_bwd(forward: Callable[[], torch.Tensor], device: torch.device, autocast
         _sync(device)
         fw.append(t1 - t0)
         bw.append(time.perf_counter() - t1)
-    return sorted(fw)[reps // 2], sorted(bw)[reps // 2]
+    return _median(fw), _median(bw)
 
 
 def measure_compute(module: nn.Module, shape: Optional[TransformerShape], job: Job, device: torch.device,
@@ -275,7 +280,7 @@ def _time_calls(run: Callable[[bool], Any], group: C.Group, device: torch.device
             run(False)
         _sync(device)
         batches.append((time.perf_counter() - t) / calls)
-    return sorted(batches)[1]
+    return _median(batches)
 
 
 def measure_curve(op: str, group: C.Group, sizes: list[int], device: torch.device) -> Curve:
@@ -391,7 +396,7 @@ def _probe_step_s(name: Optional[str], layers: int, device: torch.device, steps:
 def measure_engine_overhead(device: torch.device, solo: C.Group, repeats: int = 3) -> tuple[float, float, float]:
     """The median over ``repeats`` of :func:`engine_overhead_once` (each figure on its own)."""
     runs = [engine_overhead_once(device, solo) for _ in range(repeats)]
-    return tuple(sorted(r[i] for r in runs)[repeats // 2] for i in range(3))  # type: ignore[return-value]
+    return tuple(_median([r[i] for r in runs]) for i in range(3))  # type: ignore[return-value]
 
 
 def engine_overhead_once(device: torch.device, solo: C.Group) -> tuple[float, float, float]:
@@ -470,7 +475,7 @@ def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: 
         slope = {name: [b - a for a, b in zip(runs[name, k1], runs[name, k2])] for name in ("zero0", "zero3")}
         extra = (slope["zero3"][0] - slope["zero3"][1]) - (slope["zero0"][0] - slope["zero0"][1])
         figures.append(max(0.0, extra / max(slope["zero3"][2], 1)))
-    return sorted(figures)[repeats // 2]
+    return _median(figures)
 
 
 # ============================================================================================ the whole
@@ -549,8 +554,10 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
         if "overlap" in todo and "overlap" not in measured and kind.startswith(f"{world}/"):
             measured["overlap"] = measure_overlap(me, device)
     if "engine" in todo:
-        solo = [C.new_group([r], "calibrate/solo") for r in range(world)] if world > 1 else [None]
-        measured["engine"] = list(measure_engine_overhead(device, solo[C.get_rank() if world > 1 else 0]))
+        solo = None  # each rank's group of itself alone (collective: every rank makes every group)
+        if world > 1:
+            solo = [C.new_group([r], "calibrate/solo") for r in range(world)][C.get_rank()]
+        measured["engine"] = list(measure_engine_overhead(device, solo))
     if "unit_ops" in todo:
         have = {**profile.collectives, **curves}
 
