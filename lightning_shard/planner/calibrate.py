@@ -327,16 +327,20 @@ def measure_overlap(group: C.Group, device: torch.device, nbytes: int = 4 * 2**2
 ENGINE_PROBE = (8, 40)  # layers of the probe model (a stack of tiny Linear layers): the slope between the two
 WIDE = 256  # the probe's width for what grows with a bucket's bytes
 UNIT_PROBE = (1, 4)  # copies of the model's own block in the stage-3 unit probe (the slope between the two)
+UNIT_BUDGET_S = 0.25  # seconds of timed steps each unit-probe run takes at least (5 steps at least, MAX_STEPS at most)
+MAX_STEPS = 40
+LOOP_PROBE = (16, 4, 20)  # the loop probe: a Linear layer's width, the batch, the timed steps (after 3 warm-up ones)
 
 
 def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, device: torch.device, steps: int,
                    warmup: int, tuning: Optional[dict] = None, around_step: bool = False,
-                   group: C.Group = None) -> tuple[float, float, list[int]]:
+                   group: C.Group = None, budget_s: float = 0.0) -> tuple[float, float, list[int]]:
     """(median seconds of one training step, collectives per step outside calibration's own, full bytes of each
     bucket) of ``model`` on input ``x`` under the engine at ``name``'s stage (zero0: ``defer``; zero3:
     ``per_micro_batch``; ``around_step``: its root unit gathered around the step, as the strategy does), or without
     an engine (``None``: forward and backward alone, the optimizer priced per element elsewhere); after ``warmup``
-    untimed steps. The loss is the mean square of the output. ``group``: the ranks the engine shards over (None:
+    untimed steps (``budget_s``: and more than ``steps`` timed ones, up to :data:`MAX_STEPS`, while they take less
+    than that in all). The loss is the mean square of the output. ``group``: the ranks the engine shards over (None:
     every rank)."""
     from ..engine.comm.groups import Groups
     from ..engine.engine import ShardEngine
@@ -367,6 +371,16 @@ def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, devic
     try:
         for _ in range(warmup - 1):
             step()
+        if budget_s > 0:  # short steps: more of them, the same count on every rank of the group
+            _sync(device)
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            want = torch.tensor([min(MAX_STEPS, max(steps, budget_s / max(time.perf_counter() - t, 1e-6)))],
+                                dtype=torch.float64)
+            if C.get_world_size(group) > 1:
+                C.all_reduce(want, op="max", group=group, tag=TAG)
+            steps = int(want.item())
         mark = C.LEDGER.mark()
         seconds = _timed(step, device, steps)  # one more untimed step, then the median of ``steps``
         calls = sum(e.tag != TAG and e.op != "barrier" for e in C.LEDGER.since(mark)) / (steps + 1)
@@ -445,7 +459,7 @@ def _stack_step_s(name: str, block: nn.Module, depth: int, shape: TransformerSha
     dtype = PRECISIONS[job.precision][0]
     model = nn.Sequential(*[_materialize(block, device, dtype) for _ in range(depth)])
     x = torch.randn(job.micro_batch, shape.seq, shape.hidden, device=device, dtype=dtype)
-    seconds, _, sizes = _engine_step_s(name, model, x, device, 5, 1, around_step=True)
+    seconds, _, sizes = _engine_step_s(name, model, x, device, 5, 1, around_step=True, budget_s=UNIT_BUDGET_S)
     if name == "zero3":  # each unit gathered in forward and in backward, and reduced once
         return seconds, sum(2 * comm("gather", n) + comm("reduce", n) for n in sizes), 3 * len(sizes)
     return seconds, sum(comm("all_reduce", n) for n in sizes), len(sizes)
@@ -478,6 +492,21 @@ def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: 
     return _median(figures)
 
 
+def measure_loop(device: torch.device, repeats: int = 3) -> float:
+    """Seconds per step that Lightning's loop adds to an engine step on this machine and process group
+    (``loop.py``): a Linear layer's step through the ``Trainer`` (``zero0``) less the same layer's engine step without
+    it, every rank at once; the median of ``repeats`` engine steps is taken against the Trainer's median step."""
+    from .loop import trainer_step_s
+
+    width, batch, steps = LOOP_PROBE
+    torch.manual_seed(0)
+    x = torch.randn(batch, width, device=device)
+    trainer = trainer_step_s(nn.Linear(width, width).to(device), x, device, steps, 3, free_port())
+    engine = _median([_engine_step_s("zero0", nn.Linear(width, width).to(device), x, device, steps, 3)[0]
+                      for _ in range(repeats)])
+    return max(0.0, trainer - engine)
+
+
 # ============================================================================================ the whole
 def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, list[list[int]]]:
     """``{"<ranks>/<link class>": rank lists}`` of the groups the candidates use: the world and, per hybrid shard
@@ -496,10 +525,11 @@ def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, li
     return kinds
 
 
-def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: int) -> dict[str, str]:
+def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: int,
+          loop: bool = True) -> dict[str, str]:
     """What ``profile`` lacks for the model of signature ``sig`` on the groups ``kinds`` with collectives up to ``top``
     bytes, in a world of ``world`` ranks: ``{item: what it is, in words}`` (:func:`calibrate` measures the items,
-    :func:`needs` says the words)."""
+    :func:`needs` says the words). ``loop=False``: not the loop's time (a job already fitting cannot measure it)."""
     out = {}
     if not profile.matmul_flops:
         out["matmul_flops"] = "the matmul rate"
@@ -513,6 +543,8 @@ def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: 
         out["unit_ops"] = "the engine's cost on this model's units"
     if profile.overlap is None and world > 1:
         out["overlap"] = "the overlap"
+    if profile.loop_s_per_step is None and loop:
+        out["loop"] = "the training loop's time"
     for kind in kinds:
         for op in OPS:
             if (c := profile.collectives.get(f"{op}/{kind}")) is None or c.sizes[-1] < top:
@@ -521,8 +553,10 @@ def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: 
 
 
 def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torch.device,
-              profile: Optional[MachineProfile], max_bytes: float, shard_sizes: tuple[int, ...] = ()) -> MachineProfile:
-    """Every rank: measure what ``profile`` (None: a new one) lacks for this model, job and groups; return it."""
+              profile: Optional[MachineProfile], max_bytes: float, shard_sizes: tuple[int, ...] = (),
+              loop: bool = True) -> MachineProfile:
+    """Every rank: measure what ``profile`` (None: a new one) lacks for this model, job and groups; return it.
+    ``loop=False``: not the training loop's time (``loop.py``: it runs a ``Trainer``, which a fitting job cannot)."""
     t0 = time.perf_counter()
     backend = C.backend() if C.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
     if profile is None:
@@ -534,7 +568,7 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
     measured: dict[str, Any] = {}
     sizes = ladder(max_bytes)
     kinds = group_kinds(placement, list(shard_sizes))
-    todo = lacks(profile, sig, list(kinds), sizes[-1], world)
+    todo = lacks(profile, sig, list(kinds), sizes[-1], world, loop)
     if world > 1:
         C.barrier(tag=TAG)
     if "matmul_flops" in todo:
@@ -567,10 +601,12 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
 
         unit = measure_unit_ops(module, shape, job, device, comm)
         measured["unit_ops"] = -1.0 if unit is None else unit
+    if "loop" in todo:
+        measured["loop"] = measure_loop(device)
     # the slowest rank's figure (a step waits for it); FLOP/s: the slowest rank's too (the smallest)
     values = [*(curve_t for c in curves.values() for curve_t in c.seconds), *measured.get("compute", []),
               measured.get("optimizer", 0.0), -measured.get("matmul_flops", 0.0), -measured.get("overlap", 1.0),
-              *measured.get("engine", []), measured.get("unit_ops", 0.0)]
+              *measured.get("engine", []), measured.get("unit_ops", 0.0), measured.get("loop", 0.0)]
     if world > 1 and values:
         v = torch.tensor(values, dtype=torch.float64)
         C.all_reduce(v, op="max", group=None, tag=TAG)
@@ -592,18 +628,21 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
     unit = next(it)
     if "unit_ops" in measured:
         profile.unit_ops[sig] = None if unit < 0 else unit
+    loop_s = next(it)
+    if "loop" in measured:
+        profile.loop_s_per_step = loop_s
     profile.calibration_s += time.perf_counter() - t0
     return profile
 
 
 def needs(profile: Optional[MachineProfile], module: nn.Module, job: Job, placement: JobPlacement,
-          max_bytes: float, shard_sizes: tuple[int, ...] = ()) -> list[str]:
+          max_bytes: float, shard_sizes: tuple[int, ...] = (), loop: bool = True) -> list[str]:
     """What ``profile`` lacks for this model, job and groups (empty: nothing to measure)."""
     if profile is None:
         return ["everything"]
     shape = transformer_shape(module, job.seq if job.seq > 1 else None)
     todo = lacks(profile, model_signature(module, shape, job), list(group_kinds(placement, list(shard_sizes))),
-                 ladder(max_bytes)[-1], placement.world)
+                 ladder(max_bytes)[-1], placement.world, loop)
     return list(dict.fromkeys(todo.values()))
 
 
@@ -682,11 +721,11 @@ def calibrate_in_job(module: nn.Module, job: Job, placement: JobPlacement, devic
     loaded, why = load_profile(path) if C.get_rank() == 0 or world == 1 else (None, "")
     if world > 1:
         loaded, why = C.broadcast_object((loaded, why), tag=TAG)
-    missing = needs(loaded, module, job, placement, max_bytes, shard_sizes)
+    missing = needs(loaded, module, job, placement, max_bytes, shard_sizes, loop=False)
     if not missing:
         return loaded, path, f"reused {path}"
     t = time.perf_counter()
-    prof = calibrate(module, job, placement, device, loaded, max_bytes, shard_sizes)
+    prof = calibrate(module, job, placement, device, loaded, max_bytes, shard_sizes, loop=False)
     if world == 1 or C.get_rank() == 0:
         prof.save(path)
     return prof, path, (f"measured {', '.join(missing)} in {time.perf_counter() - t:.1f} s "

@@ -78,10 +78,11 @@ class StepTime:
     exposed_comm: float
     total_comm: float  # link busy time, overlapped or not
     engine: float = 0.0  # the engine's own work per step (calibrated model: per bucket operation, byte, tensor)
+    loop: float = 0.0  # the training loop's own time per step around the engine's (calibrated model, ``loop.py``)
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.engine
+        return self.compute + self.exposed_comm + self.engine + self.loop
 
 
 def _pipeline(compute: list[float], comm: list[float], prefetch: bool) -> float:
@@ -134,6 +135,10 @@ class Nominal:
         return 0.0
 
     def engine(self, ops: list[Collective], tensors: int, stage: int = 0) -> float:
+        return 0.0
+
+    @property
+    def loop(self) -> float:
         return 0.0
 
     @property
@@ -195,6 +200,11 @@ class Calibrated:
                 + tensors * p.engine_s_per_tensor)
 
     @property
+    def loop(self) -> float:
+        """The training loop's time per optimizer step beyond the engine step (0 where the profile lacks it)."""
+        return self.profile.loop_s_per_step or 0.0
+
+    @property
     def overlap(self) -> float:
         return 1.0 if self.profile.overlap is None else self.profile.overlap
 
@@ -207,13 +217,15 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
               rings: dict[str, Ring], psi: float, shape: Optional[TransformerShape], rates: "Nominal | Calibrated",
               trainable: Optional[float] = None, tensors: int = 0) -> StepTime:
     """Seconds per optimizer step: compute, the optimizer, the communication the schedule cannot hide (of what it
-    could hide, the share ``rates.overlap`` does not), and the engine's own work per bucket operation and per
-    parameter tensor (``tensors``). ``rates``: :class:`Nominal` or :class:`Calibrated`."""
+    could hide, the share ``rates.overlap`` does not), the engine's own work per bucket operation and per
+    parameter tensor (``tensors``), and the training loop's own time (once per optimizer step). ``rates``:
+    :class:`Nominal` or :class:`Calibrated`."""
     t_fwd, t_bwd = rates.micro_batch(psi, shape, job)
     t_mb = t_fwd + t_bwd
     t_quant = quant_seconds(layout, cfg, colls, rates.memory_bw)
     shard = cfg.shard_size or job.world
     t_opt = rates.optimizer((psi if trainable is None else trainable) / (1 if layout.stage == 0 else shard))
+    t_work = t_mb * job.accumulation + t_quant + t_opt
 
     # the engine's own work per bucket operation (a unit's gather, a bucket's reduction or post-step gather): it runs
     # at every world size, a group of one rank included
@@ -237,7 +249,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
             red = [sec(c) for c in colls if c.micro_batch == m and c.kind == "grad"]
             if red:
                 exposed += max(sum(red) - t_bwd, red[-1])
-        return _with_overlap(StepTime(t_mb * job.accumulation + t_quant + t_opt, exposed, total_comm, t_engine), rates)
+        return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine, rates.loop), rates)
     # stage 3: units in forward order (root first: it is gathered around the step), compute by parameter share
     units = layout.units
     weight = [sum(b.numel for b in u.buckets) for u in units]
@@ -260,10 +272,10 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
         exposed += _pipeline([t_fwd * s for s in share], fwd, prefetch)
         order = list(reversed(range(len(units))))  # backward visits units in reverse
         exposed += _pipeline([t_bwd * share[u] for u in order], [bwd[u] for u in order], prefetch)
-    return _with_overlap(StepTime(t_mb * job.accumulation + t_quant + t_opt, exposed, total_comm, t_engine), rates)
+    return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine, rates.loop), rates)
 
 
 def _with_overlap(t: StepTime, rates: "Nominal | Calibrated") -> StepTime:
     """Of the communication the schedule hides, the share the machine does not really overlap is exposed too."""
     hidden = max(0.0, t.total_comm - t.exposed_comm)
-    return StepTime(t.compute, t.exposed_comm + (1.0 - rates.overlap) * hidden, t.total_comm, t.engine)
+    return StepTime(t.compute, t.exposed_comm + (1.0 - rates.overlap) * hidden, t.total_comm, t.engine, t.loop)
