@@ -41,6 +41,7 @@ LADDER_MIN = 4096  # bytes: the first rung; each next one 4x
 LADDER_MAX = 64 * 2**20  # the top rung, unless the plan issues larger collectives
 MIN_TIMED_S = 0.02  # calls of one size are repeated until they take this long (at most MAX_CALLS)
 MAX_CALLS = 20
+COMPUTE_REPS = 9  # timed forward-backward passes of the model's compute, the median kept (3 moved it by 18% at world 4)
 COMPUTE_BUDGET = 2**30  # bytes of block copies the compute measurement may hold on a CPU device (GPU: 10% free)
 
 
@@ -182,7 +183,7 @@ def measure_compute(module: nn.Module, shape: Optional[TransformerShape], job: J
                     x = x[0] if isinstance(x, (tuple, list)) else x
                 return F.cross_entropy(F.linear(ln(x), head).view(-1, v).float(), target)
 
-            return list(_fwd_bwd(forward, device, autocast))
+            return list(_fwd_bwd(forward, device, autocast, COMPUTE_REPS))
         except (TypeError, RuntimeError, ValueError):
             pass  # a block with another signature: counted by FLOPs below
     psi = float(sum(p.numel() for p in module.parameters()))
