@@ -13,6 +13,7 @@ cached figure or goes without.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -88,12 +89,18 @@ def trainer_step_s(model: nn.Module, batch: torch.Tensor, device: torch.device, 
             self.seconds.append(time.perf_counter() - self.t)
 
     clock = Clock()
-    with lightning_world(device, port) as world:
-        data = TensorDataset(batch.detach().cpu().repeat((warmup + steps) * world, *([1] * (batch.dim() - 1))))
-        trainer = pl.Trainer(accelerator=device.type, devices=world, strategy=Zero0Strategy(),
-                             max_steps=warmup + steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=0, callbacks=[clock])
-        trainer.fit(Probe(), DataLoader(data, batch_size=batch.shape[0]))
+    lightning_log = logging.getLogger("lightning.pytorch")  # its info lines are the probe's, not the user's job's
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)
+    try:
+        with lightning_world(device, port) as world:
+            data = TensorDataset(batch.detach().cpu().repeat((warmup + steps) * world, *([1] * (batch.dim() - 1))))
+            trainer = pl.Trainer(accelerator=device.type, devices=world, strategy=Zero0Strategy(),
+                                 max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                 limit_val_batches=0, callbacks=[clock])
+            trainer.fit(Probe(), DataLoader(data, batch_size=batch.shape[0]))
+    finally:
+        lightning_log.setLevel(level)
     timed = sorted(clock.seconds[warmup:])
     return timed[len(timed) // 2]

@@ -334,10 +334,11 @@ def test_the_loop_time_is_the_trainer_step_less_the_same_layer_engine_step(monke
     assert calibrate.measure_loop(torch.device("cpu")) == 0.0
 
 
-def test_a_one_rank_calibration_runs_the_trainer_and_leaves_no_process_group_behind(tmp_path, monkeypatch):
+def test_a_one_rank_calibration_runs_the_trainer_and_leaves_no_process_group_behind(tmp_path, monkeypatch, caplog):
     """At world 1 calibration runs in this process: the loop's Trainer gets a process group of this process alone,
     taken down afterwards, and the environment it read is as it was (a later fit or calibration of several ranks
-    starts clean)."""
+    starts clean). Lightning's info lines about that Trainer are not the user's: they are not logged."""
+    import logging
     import os
 
     from lightning_shard.engine.comm import collectives as C
@@ -346,8 +347,11 @@ def test_a_one_rank_calibration_runs_the_trainer_and_leaves_no_process_group_beh
     for key in ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # the user's own, kept
+    caplog.set_level(logging.INFO)
     res = plan(build_gpt(1, 32, 2, 16, 64), "cpu", 1, 2, 2, "32-true", calibrate=True,
                profile_path=str(tmp_path / "p.json"))
+    assert not [r for r in caplog.records if r.name.startswith("lightning.pytorch") and r.levelno < logging.WARNING]
+    assert logging.getLogger("lightning.pytorch").level == logging.INFO
     prof = load_profile(tmp_path / "p.json")[0]
     assert prof.loop_s_per_step is not None and prof.loop_s_per_step >= 0
     assert all(r.time.loop == prof.loop_s_per_step for r in res.rows)
