@@ -17,8 +17,8 @@ Two sets of rates price these (``rates``): :class:`Nominal`, the datasheet figur
 not have), and :class:`Calibrated`, a machine profile measured on this machine (``profile.py``, ``calibrate.py``):
 compute as measured for the model, each collective from its measured curve at its bytes, the optimizer step per
 element, the engine's own work per bucket operation (with its collective's fixed cost, as the engine meets it), per
-byte and per parameter tensor, and of the communication the schedule below would hide, only the measured share
-(``overlap``).
+byte and per parameter tensor, the training loop's own time per step (Lightning's ``Trainer`` around the engine step,
+``loop.py``), and of the communication the schedule below would hide, only the measured share (``overlap``).
 
 Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
