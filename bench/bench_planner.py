@@ -72,7 +72,7 @@ def predict(layers: int, width: int, heads: int, world: int, cache: Path) -> dic
     return {"params": cal.context.psi, "calibration": cal.calibration, "calibration_wall_s": cal_s,
             "calibrated": {v: by_cal[ROW[v]] for v in VARIANTS},
             "nominal": {v: next(r.time.total for r in nominal.rows if r.label == ROW[v]) for v in VARIANTS},
-            "auto_pick": cal.best.label, "auto_predicted": cal.best.time.total, "loop_s": cal.best.time.loop}
+            "auto_pick": cal.best.label, "auto_predicted": cal.best.time.total}
 
 
 def auto_log(tmp: Path, tag: str) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def markdown(doc: dict[str, Any]) -> str:
                    f"{'yes' if a['pick_within_noise_of_fastest'] else 'no'} |")
     out += ["", "## By world size", "",
             "| world | rows | calibrated within 15% | within 10% | median abs error | nominal within 15% | "
-            "median abs error | loop ms/step |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "median abs error |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for world in sorted({c["world"] for c in doc["cases"]}):
         rows = [(c, v) for c in doc["cases"] if c["world"] == world for v in VARIANTS if c["measured"].get(v)]
 
@@ -185,10 +185,8 @@ def markdown(doc: dict[str, Any]) -> str:
             return sorted(abs(c[model][v] / c["measured"][v] - 1) for c, v in rows)
 
         cal, nom = errs("calibrated"), errs("nominal")
-        loop = next((c["loop_s"] for c in doc["cases"] if c["world"] == world and "loop_s" in c), None)
         out.append(f"| {world} | {len(rows)} | {sum(e <= 0.15 for e in cal)} | {sum(e <= 0.10 for e in cal)} | "
-                   f"{cal[len(cal) // 2]:.1%} | {sum(e <= 0.15 for e in nom)} | {nom[len(nom) // 2]:.1%} | "
-                   f"{'-' if loop is None else f'{loop * 1e3:.2f}'} |")
+                   f"{cal[len(cal) // 2]:.1%} | {sum(e <= 0.15 for e in nom)} | {nom[len(nom) // 2]:.1%} |")
     tot = doc["totals"]
     out += ["", f"Within 15%: calibrated {tot['calibrated_within_15']}/{tot['rows']}, nominal "
             f"{tot['nominal_within_15']}/{tot['rows']}; within 10%: calibrated {tot['calibrated_within_10']}, nominal "

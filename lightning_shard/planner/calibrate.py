@@ -330,7 +330,6 @@ WIDE = 256  # the probe's width for what grows with a bucket's bytes
 UNIT_PROBE = (1, 4)  # copies of the model's own block in the stage-3 unit probe (the slope between the two)
 UNIT_BUDGET_S = 0.25  # seconds of timed steps each unit-probe run takes at least (5 steps at least, MAX_STEPS at most)
 MAX_STEPS = 40
-LOOP_PROBE = (16, 4, 20)  # the loop probe: a Linear layer's width, the batch, the timed steps (after 3 warm-up ones)
 
 
 def _engine_step_s(name: Optional[str], model: nn.Module, x: torch.Tensor, device: torch.device, steps: int,
@@ -493,21 +492,6 @@ def measure_unit_ops(module: nn.Module, shape: Optional[TransformerShape], job: 
     return _median(figures)
 
 
-def measure_loop(device: torch.device, repeats: int = 3) -> float:
-    """Seconds per step that Lightning's loop adds to an engine step on this machine and process group
-    (``loop.py``): a Linear layer's step through the ``Trainer`` (``zero0``) less the same layer's engine step without
-    it, every rank at once; the median of ``repeats`` engine steps is taken against the Trainer's median step."""
-    from .loop import trainer_step_s
-
-    width, batch, steps = LOOP_PROBE
-    torch.manual_seed(0)
-    x = torch.randn(batch, width, device=device)
-    trainer = trainer_step_s(nn.Linear(width, width).to(device), x, device, steps, 3, free_port())
-    engine = _median([_engine_step_s("zero0", nn.Linear(width, width).to(device), x, device, steps, 3)[0]
-                      for _ in range(repeats)])
-    return max(0.0, trainer - engine)
-
-
 # ============================================================================================ the whole
 def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, list[list[int]]]:
     """``{"<ranks>/<link class>": rank lists}`` of the groups the candidates use: the world and, per hybrid shard
@@ -526,11 +510,10 @@ def group_kinds(placement: JobPlacement, shard_sizes: list[int]) -> dict[str, li
     return kinds
 
 
-def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: int,
-          loop: bool = True) -> dict[str, str]:
+def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: int) -> dict[str, str]:
     """What ``profile`` lacks for the model of signature ``sig`` on the groups ``kinds`` with collectives up to ``top``
     bytes, in a world of ``world`` ranks: ``{item: what it is, in words}`` (:func:`calibrate` measures the items,
-    :func:`needs` says the words). ``loop=False``: not the loop's time (a job already fitting cannot measure it)."""
+    :func:`needs` says the words)."""
     out = {}
     if not profile.matmul_flops:
         out["matmul_flops"] = "the matmul rate"
@@ -544,8 +527,6 @@ def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: 
         out["unit_ops"] = "the engine's cost on this model's units"
     if profile.overlap is None and world > 1:
         out["overlap"] = "the overlap"
-    if profile.loop_s_per_step is None and loop:
-        out["loop"] = "the training loop's time"
     for kind in kinds:
         for op in OPS:
             if (c := profile.collectives.get(f"{op}/{kind}")) is None or c.sizes[-1] < top:
@@ -554,10 +535,8 @@ def lacks(profile: MachineProfile, sig: str, kinds: list[str], top: int, world: 
 
 
 def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torch.device,
-              profile: Optional[MachineProfile], max_bytes: float, shard_sizes: tuple[int, ...] = (),
-              loop: bool = True) -> MachineProfile:
-    """Every rank: measure what ``profile`` (None: a new one) lacks for this model, job and groups; return it.
-    ``loop=False``: not the training loop's time (``loop.py``: it runs a ``Trainer``, which a fitting job cannot)."""
+              profile: Optional[MachineProfile], max_bytes: float, shard_sizes: tuple[int, ...] = ()) -> MachineProfile:
+    """Every rank: measure what ``profile`` (None: a new one) lacks for this model, job and groups; return it."""
     t0 = time.perf_counter()
     backend = C.backend() if C.is_initialized() else ("nccl" if device.type == "cuda" else "gloo")
     if profile is None:
@@ -569,7 +548,7 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
     measured: dict[str, Any] = {}
     sizes = ladder(max_bytes)
     kinds = group_kinds(placement, list(shard_sizes))
-    todo = lacks(profile, sig, list(kinds), sizes[-1], world, loop)
+    todo = lacks(profile, sig, list(kinds), sizes[-1], world)
     if world > 1:
         C.barrier(tag=TAG)
     if "matmul_flops" in todo:
@@ -602,12 +581,10 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
 
         unit = measure_unit_ops(module, shape, job, device, comm)
         measured["unit_ops"] = -1.0 if unit is None else unit
-    if "loop" in todo:
-        measured["loop"] = measure_loop(device)
     # the slowest rank's figure (a step waits for it); FLOP/s: the slowest rank's too (the smallest)
     values = [*(curve_t for c in curves.values() for curve_t in c.seconds), *measured.get("compute", []),
               measured.get("optimizer", 0.0), -measured.get("matmul_flops", 0.0), -measured.get("overlap", 1.0),
-              *measured.get("engine", []), measured.get("unit_ops", 0.0), measured.get("loop", 0.0)]
+              *measured.get("engine", []), measured.get("unit_ops", 0.0)]
     if world > 1 and values:
         v = torch.tensor(values, dtype=torch.float64)
         C.all_reduce(v, op="max", group=None, tag=TAG)
@@ -629,21 +606,18 @@ def calibrate(module: nn.Module, job: Job, placement: JobPlacement, device: torc
     unit = next(it)
     if "unit_ops" in measured:
         profile.unit_ops[sig] = None if unit < 0 else unit
-    loop_s = next(it)
-    if "loop" in measured:
-        profile.loop_s_per_step = loop_s
     profile.calibration_s += time.perf_counter() - t0
     return profile
 
 
 def needs(profile: Optional[MachineProfile], module: nn.Module, job: Job, placement: JobPlacement,
-          max_bytes: float, shard_sizes: tuple[int, ...] = (), loop: bool = True) -> list[str]:
+          max_bytes: float, shard_sizes: tuple[int, ...] = ()) -> list[str]:
     """What ``profile`` lacks for this model, job and groups (empty: nothing to measure)."""
     if profile is None:
         return ["everything"]
     shape = transformer_shape(module, job.seq if job.seq > 1 else None)
     todo = lacks(profile, model_signature(module, shape, job), list(group_kinds(placement, list(shard_sizes))),
-                 ladder(max_bytes)[-1], placement.world, loop)
+                 ladder(max_bytes)[-1], placement.world)
     return list(dict.fromkeys(todo.values()))
 
 
@@ -722,11 +696,11 @@ def calibrate_in_job(module: nn.Module, job: Job, placement: JobPlacement, devic
     loaded, why = load_profile(path) if C.get_rank() == 0 or world == 1 else (None, "")
     if world > 1:
         loaded, why = C.broadcast_object((loaded, why), tag=TAG)
-    missing = needs(loaded, module, job, placement, max_bytes, shard_sizes, loop=False)
+    missing = needs(loaded, module, job, placement, max_bytes, shard_sizes)
     if not missing:
         return loaded, path, f"reused {path}"
     t = time.perf_counter()
-    prof = calibrate(module, job, placement, device, loaded, max_bytes, shard_sizes, loop=False)
+    prof = calibrate(module, job, placement, device, loaded, max_bytes, shard_sizes)
     if world == 1 or C.get_rank() == 0:
         prof.save(path)
     return prof, path, (f"measured {', '.join(missing)} in {time.perf_counter() - t:.1f} s "

@@ -41,7 +41,6 @@ class PlanRow:
                 "memory_per_rank": self.memory, "model_states": self.states, "zero_paper_bytes": self.zero_paper,
                 "fits": self.fits, "bytes_per_step": self.traffic, "step_time_s": self.time.total,
                 "compute_s": self.time.compute, "exposed_comm_s": self.time.exposed_comm, "engine_s": self.time.engine,
-                "loop_s": self.time.loop,
                 "link_busy_s": self.time.total_comm, "tokens_per_s": self.tokens_per_s,
                 "rings": {k: {"ranks": r.ranks, "gbps": r.gbps, "class": r.link_class} for k, r in self.rings.items()}}
 

@@ -21,10 +21,6 @@ figures:
   collective), per byte of those operations, and per parameter tensor per step, measured on a probe model of small
   layers through the engine itself (``calibrate.measure_engine_overhead``; per byte and per tensor with each rank's
   engine on a group of that rank alone, so that no collective is left in the difference).
-* ``loop_s_per_step``: what Lightning's training loop adds to a step beyond the engine's (its hooks, the closure, the
-  precision plugin; where ranks share cores, their arriving apart at the step's collectives), measured as a Linear
-  layer's step through a ``Trainer`` less the same layer's engine step (``loop.py``; null: not measured, as when
-  calibrated inside a job that is already fitting).
 * ``unit_ops``: per model signature, the engine's seconds per stage-3 bucket operation on that model's own blocks
   at its micro-batch, beyond the collective's bytes (``calibrate.measure_unit_ops``); the stage-3 rows of that model
   use it instead of the probe's per-operation and per-byte figures (null: the model is not a stack of blocks).
@@ -45,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-PROFILE_VERSION = 3  # 2: the engine's per-byte and per-tensor costs measured without collectives; 3: the loop
+PROFILE_VERSION = 4  # 2: the engine's per-byte and per-tensor costs measured without collectives; 4: 9 compute passes
 CACHE_ENV = "LIGHTNING_SHARD_CACHE"  # where profiles are kept (default ~/.cache/lightning_shard)
 OPS = ("reduce", "gather", "all_reduce", "all_to_all", "broadcast")
 
@@ -100,7 +96,6 @@ class MachineProfile:
     engine_s_per_call: Optional[float] = None  # the engine's own work per bucket operation (None: not measured)
     engine_s_per_tensor: float = 0.0  # the engine's own work per parameter tensor per step
     engine_s_per_byte: float = 0.0  # the engine's own work per byte of a bucket operation (copies)
-    loop_s_per_step: Optional[float] = None  # Lightning's loop per step beyond the engine step (None: not measured)
     calibration_s: float = 0.0  # what measuring took, in total (the entries added later included)
     created: str = ""
 
@@ -135,13 +130,11 @@ class MachineProfile:
 
 
 def library_versions() -> dict[str, str]:
-    import lightning
     import torch
 
     from ..version import __version__
 
-    return {"torch": torch.__version__, "lightning": lightning.__version__, "lightning_shard": __version__,
-            "python": platform.python_version()}
+    return {"torch": torch.__version__, "lightning_shard": __version__, "python": platform.python_version()}
 
 
 def cache_dir() -> Path:

@@ -17,8 +17,8 @@ Two sets of rates price these (``rates``): :class:`Nominal`, the datasheet figur
 not have), and :class:`Calibrated`, a machine profile measured on this machine (``profile.py``, ``calibrate.py``):
 compute as measured for the model, each collective from its measured curve at its bytes, the optimizer step per
 element, the engine's own work per bucket operation (with its collective's fixed cost, as the engine meets it), per
-byte and per parameter tensor, the training loop's own time per step (Lightning's ``Trainer`` around the engine step,
-``loop.py``), and of the communication the schedule below would hide, only the measured share (``overlap``).
+byte and per parameter tensor, and of the communication the schedule below would hide, only the measured share
+(``overlap``).
 
 Overlap (what the engine does, engine/buckets/sync.py and engine/zero3/):
 * stages 0-2: bucket reductions launch from gradient hooks during backward, so they hide behind backward
@@ -78,11 +78,10 @@ class StepTime:
     exposed_comm: float
     total_comm: float  # link busy time, overlapped or not
     engine: float = 0.0  # the engine's own work per step (calibrated model: per bucket operation, byte, tensor)
-    loop: float = 0.0  # the training loop's own time per step around the engine's (calibrated model, ``loop.py``)
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.engine + self.loop
+        return self.compute + self.exposed_comm + self.engine
 
 
 def _pipeline(compute: list[float], comm: list[float], prefetch: bool) -> float:
@@ -135,10 +134,6 @@ class Nominal:
         return 0.0
 
     def engine(self, ops: list[Collective], tensors: int, stage: int = 0) -> float:
-        return 0.0
-
-    @property
-    def loop(self) -> float:
         return 0.0
 
     @property
@@ -200,11 +195,6 @@ class Calibrated:
                 + tensors * p.engine_s_per_tensor)
 
     @property
-    def loop(self) -> float:
-        """The training loop's time per optimizer step beyond the engine step (0 where the profile lacks it)."""
-        return self.profile.loop_s_per_step or 0.0
-
-    @property
     def overlap(self) -> float:
         return 1.0 if self.profile.overlap is None else self.profile.overlap
 
@@ -218,8 +208,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
               trainable: Optional[float] = None, tensors: int = 0) -> StepTime:
     """Seconds per optimizer step: compute, the optimizer, the communication the schedule cannot hide (of what it
     could hide, the share ``rates.overlap`` does not), the engine's own work per bucket operation and per
-    parameter tensor (``tensors``), and the training loop's own time (once per optimizer step). ``rates``:
-    :class:`Nominal` or :class:`Calibrated`."""
+    parameter tensor (``tensors``). ``rates``: :class:`Nominal` or :class:`Calibrated`."""
     t_fwd, t_bwd = rates.micro_batch(psi, shape, job)
     t_mb = t_fwd + t_bwd
     t_quant = quant_seconds(layout, cfg, colls, rates.memory_bw)
@@ -249,7 +238,7 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
             red = [sec(c) for c in colls if c.micro_batch == m and c.kind == "grad"]
             if red:
                 exposed += max(sum(red) - t_bwd, red[-1])
-        return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine, rates.loop), rates)
+        return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine), rates)
     # stage 3: units in forward order (root first: it is gathered around the step), compute by parameter share
     units = layout.units
     weight = [sum(b.numel for b in u.buckets) for u in units]
@@ -272,10 +261,10 @@ def step_time(layout: PlannedLayout, cfg: StrategyConfig, job: Job, colls: list[
         exposed += _pipeline([t_fwd * s for s in share], fwd, prefetch)
         order = list(reversed(range(len(units))))  # backward visits units in reverse
         exposed += _pipeline([t_bwd * share[u] for u in order], [bwd[u] for u in order], prefetch)
-    return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine, rates.loop), rates)
+    return _with_overlap(StepTime(t_work, exposed, total_comm, t_engine), rates)
 
 
 def _with_overlap(t: StepTime, rates: "Nominal | Calibrated") -> StepTime:
     """Of the communication the schedule hides, the share the machine does not really overlap is exposed too."""
     hidden = max(0.0, t.total_comm - t.exposed_comm)
-    return StepTime(t.compute, t.exposed_comm + (1.0 - rates.overlap) * hidden, t.total_comm, t.engine, t.loop)
+    return StepTime(t.compute, t.exposed_comm + (1.0 - rates.overlap) * hidden, t.total_comm, t.engine)

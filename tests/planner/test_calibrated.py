@@ -182,8 +182,6 @@ def test_calibration_measures_once_then_reuses_and_remeasures_a_stale_profile(tm
     assert list(prof.unit_ops) == list(prof.compute) and next(iter(prof.unit_ops.values())) >= 0
     assert first.context.rates.unit_op_s == next(iter(prof.unit_ops.values()))
     assert prof.matmul_flops > 0 and prof.optimizer_s_per_element > 0 and 0 <= prof.overlap <= 1
-    assert prof.loop_s_per_step is not None and prof.loop_s_per_step >= 0  # a Trainer on the 2 ranks
-    assert all(r.time.loop == prof.loop_s_per_step for r in first.rows)
     assert first.context.calibrated and first.context.rates.compute is not None
     again = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
     assert again.calibration == f"reused {path}"
@@ -196,11 +194,9 @@ def test_calibration_measures_once_then_reuses_and_remeasures_a_stale_profile(tm
     assert len(load_profile(path)[0].compute) == 2 and len(load_profile(path)[0].unit_ops) == 2
     doc = json.loads(path.read_text())
     doc["versions"]["lightning_shard"] = "0.0.0"
-    doc["versions"]["lightning"] = "0.0.1"  # the loop's time is Lightning's
     path.write_text(json.dumps(doc))
     stale = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", calibrate=True, profile_path=str(path))
-    assert "stale profile (lightning 0.0.1 -> " in stale.calibration
-    assert "lightning_shard 0.0.0 -> " in stale.calibration
+    assert "stale profile (lightning_shard 0.0.0 -> " in stale.calibration
 
 
 def test_cli_plan_calibrate_writes_reuses_and_says_which_model(tmp_path, capsys):
@@ -298,66 +294,6 @@ def test_the_unit_cost_is_the_median_of_three_measurements(monkeypatch):
     got = calibrate.measure_unit_ops(module, transformer_shape(module), job, torch.device("cpu"), lambda op, n: 0.0)
     assert len(calls) == 12
     assert got == pytest.approx(2e-3)
-
-
-def test_every_calibrated_row_pays_the_measured_loop_time_once_per_step():
-    """The training loop's own time (``loop_s_per_step``: Lightning's work around an engine step) is added once to
-    every row of the calibrated model, whatever the strategy; a profile without it adds nothing, and the nominal
-    model has none."""
-    prof = synthetic(latency=2e-3, overlap=0.0, per_op=3e-3)
-    base = by_label(plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof))
-    assert all(r.time.loop == 0.0 for r in base.values())
-    prof.loop_s_per_step = 4e-3
-    res = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true", profile=prof)
-    for row in res.rows:
-        assert row.time.loop == 4e-3, row.label
-        assert row.time.total == pytest.approx(base[row.label].time.total + 4e-3), row.label
-        assert row.to_dict()["loop_s"] == 4e-3
-    nominal = plan(tiny(), "cpu", WORLD, MICRO * WORLD, MICRO, "32-true")
-    assert all(r.time.loop == 0.0 for r in nominal.rows)
-
-
-def test_the_loop_time_is_the_trainer_step_less_the_same_layer_engine_step(monkeypatch):
-    """``measure_loop``: a Linear layer's step through Lightning's Trainer (``loop.trainer_step_s``) less the median of
-    three engine steps of the same layer without it (here 10 ms against 5, 4 and 3 ms: 6 ms); never below 0."""
-    import torch
-
-    from lightning_shard.planner import calibrate, loop
-
-    engine_steps = [5e-3, 4e-3, 3e-3]
-    monkeypatch.setattr(loop, "trainer_step_s", lambda model, batch, device, steps, warmup, port: 10e-3)
-    monkeypatch.setattr(calibrate, "_engine_step_s",
-                        lambda name, model, x, device, steps, warmup: (engine_steps.pop(0), 1.0, []))
-    assert calibrate.measure_loop(torch.device("cpu")) == pytest.approx(6e-3)
-    assert engine_steps == []
-    engine_steps[:] = [20e-3] * 3
-    assert calibrate.measure_loop(torch.device("cpu")) == 0.0
-
-
-def test_a_one_rank_calibration_runs_the_trainer_and_leaves_no_process_group_behind(tmp_path, monkeypatch, caplog):
-    """At world 1 calibration runs in this process: the loop's Trainer gets a process group of this process alone,
-    taken down afterwards, and the environment it read is as it was (a later fit or calibration of several ranks
-    starts clean). Lightning's info lines about that Trainer are not the user's: they are not logged."""
-    import logging
-    import os
-
-    from lightning_shard.engine.comm import collectives as C
-    from lightning_shard.planner.loop import ENV
-
-    for key in ENV:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # the user's own, kept
-    caplog.set_level(logging.INFO)
-    res = plan(build_gpt(1, 32, 2, 16, 64), "cpu", 1, 2, 2, "32-true", calibrate=True,
-               profile_path=str(tmp_path / "p.json"))
-    assert not [r for r in caplog.records if r.name.startswith("lightning.pytorch") and r.levelno < logging.WARNING]
-    assert logging.getLogger("lightning.pytorch").level == logging.INFO
-    prof = load_profile(tmp_path / "p.json")[0]
-    assert prof.loop_s_per_step is not None and prof.loop_s_per_step >= 0
-    assert all(r.time.loop == prof.loop_s_per_step for r in res.rows)
-    assert not C.is_initialized()
-    assert os.environ["MASTER_ADDR"] == "10.0.0.7"
-    assert not [k for k in ENV if k != "MASTER_ADDR" and k in os.environ]
 
 
 def test_short_engine_steps_are_timed_in_more_of_them(monkeypatch):
